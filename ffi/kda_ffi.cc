@@ -1,0 +1,297 @@
+// XLA FFI handlers for the two jax_kda custom calls (docs/kernel_abi.md):
+//   jax_kda_prepare_v1     q, k, g, beta, A_log, dt_bias, cu_seqlens -> workspace
+//   jax_kda_recurrence_v1  v, beta, workspace, cu_seqlens, state0   -> out, final_state
+//
+// Stages: instantiate (compile time) loads the chosen specialisation into every device XLA
+// already uses; initialize (before each run, outside capture) makes sure the stream's device has
+// it; execute only validates shapes and launches, so it is safe under CUDA-graph capture.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "kernel_registry.h"
+#include "module_loader.h"
+#include "shape_checks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_kda {
+namespace {
+
+#define JAX_KDA_RETURN_IF(expr)                                        \
+  if (std::string _e = (expr); !_e.empty()) {                          \
+    return ffi::Error::InvalidArgument(std::string("jax_kda: ") + _e); \
+  }
+
+ffi::Error Internal(const std::string& message) {
+  return ffi::Error::Internal("jax_kda: " + message);
+}
+
+// The specialisation for (variant, arch of the stream's device), loaded on that device.
+template <typename Args>
+std::string Resolve(std::span<const KernelSpec<Args>> specs, const char* kernel,
+                    const char* variant_name, int variant, cudaStream_t stream, bool in_execute,
+                    const KernelSpec<Args>** out) {
+  int device = 0, sm = 0;
+  if (std::string e = StreamDevice(stream, &device); !e.empty()) return e;
+  if (std::string e = DeviceArch(device, &sm); !e.empty()) return e;
+  for (const KernelSpec<Args>& spec : specs) {
+    if (spec.module.variant != variant || spec.module.sm != sm) continue;
+    *out = &spec;
+    // In execute this is a last resort, reached only if XLA ran neither the instantiate nor the
+    // initialize stage for this device (a command-buffer path may skip initialize): loading
+    // enqueues nothing, so it is legal during capture once the capture mode is relaxed.
+    return EnsureLoaded(spec.module, device, /*relax_capture=*/in_execute);
+  }
+  return std::string("this jax_kda build has no ") + kernel + " kernel for " + variant_name +
+         "=" + std::to_string(variant) + " on sm_" + std::to_string(sm) +
+         "a (rebuild the package with kernels enabled)";
+}
+
+// Instantiate stage: no stream and no buffers; load on every device this process already uses
+// (never create contexts on other GPUs). Unsupported GPUs are left to execute to report.
+template <typename Args>
+std::string LoadOnActiveDevices(std::span<const KernelSpec<Args>> specs, int variant) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) return CudaMessage("cudaGetDeviceCount", err);
+  for (int device = 0; device < count && device < kMaxDevices; ++device) {
+    int sm = 0;
+    if (!PrimaryContextActive(device) || !DeviceArch(device, &sm).empty()) continue;
+    for (const KernelSpec<Args>& spec : specs) {
+      if (spec.module.variant != variant || spec.module.sm != sm) continue;
+      if (std::string e = EnsureLoaded(spec.module, device); !e.empty()) return e;
+    }
+  }
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// prepare
+
+std::string CheckPrepareAttrs(float scale, float lower_bound, int32_t inverse) {
+  if (inverse != 0 && inverse != 1) {
+    return "prepare: attribute inverse must be 0 (stable) or 1 (neumann), got " +
+           std::to_string(inverse);
+  }
+  if (!std::isfinite(scale)) return "prepare: attribute scale must be finite";
+  if (!(lower_bound >= -5.0f && lower_bound < 0.0f)) {
+    return "prepare: attribute lower_bound must lie in [-5, 0), got " +
+           std::to_string(lower_bound);
+  }
+  return {};
+}
+
+ffi::Error PrepareInstantiate(float scale, float lower_bound, int32_t inverse) {
+  JAX_KDA_RETURN_IF(CheckPrepareAttrs(scale, lower_bound, inverse));
+  if (std::string e = LoadOnActiveDevices(PrepareSpecs(), inverse); !e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+ffi::Error PrepareInitialize(cudaStream_t stream, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
+                             ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
+                             ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                             ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::U8>>,
+                             float scale, float lower_bound, int32_t inverse) {
+  JAX_KDA_RETURN_IF(CheckPrepareAttrs(scale, lower_bound, inverse));
+  const KernelSpec<PrepareArgs>* spec = nullptr;
+  std::string e = Resolve(PrepareSpecs(), "prepare", "inverse", inverse, stream,
+                          /*in_execute=*/false, &spec);
+  if (!e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+ffi::Error PrepareExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
+                          ffi::Buffer<ffi::BF16> g, ffi::Buffer<ffi::BF16> beta,
+                          ffi::Buffer<ffi::F32> a_log, ffi::Buffer<ffi::F32> dt_bias,
+                          ffi::Buffer<ffi::S32> cu_seqlens,
+                          ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale,
+                          float lower_bound, int32_t inverse) {
+  const char* call = "prepare";
+  JAX_KDA_RETURN_IF(CheckPrepareAttrs(scale, lower_bound, inverse));
+  int64_t t = 0, h = 0, n = 0;
+  JAX_KDA_RETURN_IF(CheckProblem(call, q.dimensions(), cu_seqlens.dimensions(), &t, &h, &n));
+  const int64_t s = NumSlots(t, n);
+  PrepareArgs a;
+  JAX_KDA_RETURN_IF(CheckOperand(call, "q", q, {t, h, kHeadDim}, 2, &a.q));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "k", k, {t, h, kHeadDim}, 2, &a.k));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "g", g, {t, h, kHeadDim}, 2, &a.g));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "beta", beta, {t, h}, 2, &a.beta));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "A_log", a_log, {h}, 1, &a.a_log));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "dt_bias", dt_bias, {h, kHeadDim}, 1, &a.dt_bias));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "cu_seqlens", cu_seqlens, {n + 1}, 1, &a.cu_seqlens));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "workspace (result)", *workspace, {h, s, kRecordBytes},
+                                 2, &a.workspace));
+  if (h == 0) return ffi::Error::Success();  // empty grid: nothing to write
+  a.scale = scale;
+  a.lower_bound = lower_bound;
+  a.stream = stream;
+  const KernelSpec<PrepareArgs>* spec = nullptr;
+  std::string e = Resolve(PrepareSpecs(), "prepare", "inverse", inverse, stream,
+                          /*in_execute=*/true, &spec);
+  if (e.empty()) e = spec->launch(a);
+  if (!e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// recurrence
+
+std::string CheckBlockV(int32_t block_v) {
+  if (block_v != 16 && block_v != 32 && block_v != 64 && block_v != 128) {
+    return "recurrence: attribute block_v must be 16, 32, 64 or 128, got " +
+           std::to_string(block_v);
+  }
+  return {};
+}
+
+ffi::Error RecurrenceInstantiate(int32_t block_v) {
+  JAX_KDA_RETURN_IF(CheckBlockV(block_v));
+  if (std::string e = LoadOnActiveDevices(RecurrenceSpecs(), block_v); !e.empty()) {
+    return Internal(e);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RecurrenceInitialize(cudaStream_t stream, ffi::Buffer<ffi::BF16>,
+                                ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::U8>,
+                                ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::BF16>,
+                                ffi::Result<ffi::Buffer<ffi::BF16>>,
+                                ffi::Result<ffi::Buffer<ffi::BF16>>, int32_t block_v) {
+  JAX_KDA_RETURN_IF(CheckBlockV(block_v));
+  const KernelSpec<RecurrenceArgs>* spec = nullptr;
+  std::string e = Resolve(RecurrenceSpecs(), "recurrence", "block_v", block_v, stream,
+                          /*in_execute=*/false, &spec);
+  if (!e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+ffi::Error RecurrenceExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
+                             ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::U8> workspace,
+                             ffi::Buffer<ffi::S32> cu_seqlens, ffi::Buffer<ffi::BF16> state0,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                             ffi::Result<ffi::Buffer<ffi::BF16>> state_t, int32_t block_v) {
+  const char* call = "recurrence";
+  JAX_KDA_RETURN_IF(CheckBlockV(block_v));
+  int64_t t = 0, h = 0, n = 0;
+  JAX_KDA_RETURN_IF(CheckProblem(call, v.dimensions(), cu_seqlens.dimensions(), &t, &h, &n));
+  const int64_t s = NumSlots(t, n);
+  RecurrenceArgs a;
+  JAX_KDA_RETURN_IF(CheckOperand(call, "v", v, {t, h, kHeadDim}, 2, &a.v));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "beta", beta, {t, h}, 2, &a.beta));
+  JAX_KDA_RETURN_IF(
+      CheckOperand(call, "workspace", workspace, {h, s, kRecordBytes}, 2, &a.workspace));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "cu_seqlens", cu_seqlens, {n + 1}, 1, &a.cu_seqlens));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "initial_state", state0, {n, h, kHeadDim, kHeadDim}, 2,
+                                 &a.state0));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "out (result)", *out, {t, h, kHeadDim}, 2, &a.out));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "final_state (result)", *state_t,
+                                 {n, h, kHeadDim, kHeadDim}, 2, &a.state_t));
+  if (h == 0) return ffi::Error::Success();  // empty grid: nothing to write
+  a.stream = stream;
+  const KernelSpec<RecurrenceArgs>* spec = nullptr;
+  std::string e = Resolve(RecurrenceSpecs(), "recurrence", "block_v", block_v, stream,
+                          /*in_execute=*/true, &spec);
+  if (e.empty()) e = spec->launch(a);
+  if (!e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bindings: operand order and attribute names are docs/kernel_abi.md.
+
+template <ffi::ExecutionStage stage>
+auto PrepareBinding() {
+  return ffi::Ffi::Bind<stage>()
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // q
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // k
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // g
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // beta
+      .template Arg<ffi::Buffer<ffi::F32>>()   // A_log
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dt_bias
+      .template Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens
+      .template Ret<ffi::Buffer<ffi::U8>>()    // workspace
+      .template Attr<float>("scale")
+      .template Attr<float>("lower_bound")
+      .template Attr<int32_t>("inverse");
+}
+
+template <ffi::ExecutionStage stage>
+auto RecurrenceBinding() {
+  return ffi::Ffi::Bind<stage>()
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // v
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // beta
+      .template Arg<ffi::Buffer<ffi::U8>>()    // workspace
+      .template Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // initial_state
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // out
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // final_state
+      .template Attr<int32_t>("block_v");
+}
+
+// The instantiate stage sees attributes only (no buffers, no stream).
+auto PrepareInstantiateBinding() {
+  return ffi::Ffi::BindInstantiate()
+      .Attr<float>("scale")
+      .Attr<float>("lower_bound")
+      .Attr<int32_t>("inverse");
+}
+
+auto RecurrenceInstantiateBinding() {
+  return ffi::Ffi::BindInstantiate().Attr<int32_t>("block_v");
+}
+
+}  // namespace
+}  // namespace jax_kda
+
+// Exported symbols: the library is built with -fvisibility=hidden and a version script
+// (exports.map), so each is declared visible here before the macro defines it.
+#define JAX_KDA_EXPORT extern "C" __attribute__((visibility("default")))
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Instantiate(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Initialize(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Execute(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrenceV1Instantiate(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrenceV1Initialize(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrenceV1Execute(XLA_FFI_CallFrame*);
+
+using xla::ffi::ExecutionStage;
+using xla::ffi::Traits;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaPrepareV1Instantiate, jax_kda::PrepareInstantiate,
+                              jax_kda::PrepareInstantiateBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaPrepareV1Initialize, jax_kda::PrepareInitialize,
+                              jax_kda::PrepareBinding<ExecutionStage::kInitialize>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaPrepareV1Execute, jax_kda::PrepareExecute,
+                              jax_kda::PrepareBinding<ExecutionStage::kExecute>(),
+                              {Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrenceV1Instantiate, jax_kda::RecurrenceInstantiate,
+                              jax_kda::RecurrenceInstantiateBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrenceV1Initialize, jax_kda::RecurrenceInitialize,
+                              jax_kda::RecurrenceBinding<ExecutionStage::kInitialize>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrenceV1Execute, jax_kda::RecurrenceExecute,
+                              jax_kda::RecurrenceBinding<ExecutionStage::kExecute>(),
+                              {Traits::kCmdBufferCompatible});
+
+// Which specialisations this library holds, as "name,name,..." (for tests and diagnostics).
+JAX_KDA_EXPORT const char* jax_kda_ffi_kernels() {
+  static const std::string names = [] {
+    std::string s;
+    auto add = [&s](const char* name) {
+      if (!s.empty()) s.push_back(',');
+      s.append(name);
+    };
+    for (const auto& spec : jax_kda::PrepareSpecs()) add(spec.module.name);
+    for (const auto& spec : jax_kda::RecurrenceSpecs()) add(spec.module.name);
+    return s;
+  }();
+  return names.c_str();
+}
+
+// Bumped whenever docs/kernel_abi.md changes incompatibly; _ffi.py refuses a mismatch.
+JAX_KDA_EXPORT int jax_kda_ffi_abi_version() { return 1; }

@@ -1,0 +1,36 @@
+// The kernel specialisations linked into this library (generated list: kernels_specs.inc from
+// jax_kda/_aot) and how to launch each: the handlers pick one by (variant, device arch).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <span>
+#include <string>
+
+#include "kernel_args.h"
+#include "module_loader.h"
+
+namespace jax_kda {
+
+// Operands of one launch, in docs/kernel_abi.md order (shapes checked by the handlers).
+struct PrepareArgs {
+  DenseTensor q, k, g, beta, a_log, dt_bias, cu_seqlens, workspace;
+  float scale = 0.f, lower_bound = 0.f;
+  cudaStream_t stream = nullptr;
+};
+
+struct RecurrenceArgs {
+  DenseTensor v, beta, workspace, cu_seqlens, state0, out, state_t;
+  cudaStream_t stream = nullptr;
+};
+
+template <typename Args>
+struct KernelSpec {
+  ModuleEntry module;
+  std::string (*launch)(const Args&);  // "" on success, else what failed
+};
+
+std::span<const KernelSpec<PrepareArgs>> PrepareSpecs();
+std::span<const KernelSpec<RecurrenceArgs>> RecurrenceSpecs();
+
+}  // namespace jax_kda

@@ -1,0 +1,212 @@
+"""The FFI library: find it, load it, register its two custom calls, and call them.
+
+libjax_kda_ffi.so (built by ffi/CMakeLists.txt during `pip install`) holds the C++ handlers and
+every kernel specialisation. This module never imports CuTe DSL. Loading and registration happen
+once, when this module is first imported; `kernels_available()` says whether they succeeded and
+`unavailable_reason()` why not. The wrappers take the flat varlen layout of docs/kernel_abi.md
+([T_total, H, 128] etc.); kda_prefill reshapes batched inputs into it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LIBRARY_NAME = "libjax_kda_ffi.so"
+LIBRARY_ENV = "JAX_KDA_FFI_LIBRARY"  # explicit path, overrides the search below
+ABI_VERSION = 1  # must equal jax_kda_ffi_abi_version() in ffi/kda_ffi.cc
+
+PREPARE_TARGET = "jax_kda_prepare_v1"
+RECURRENCE_TARGET = "jax_kda_recurrence_v1"
+# Stage -> exported handler symbol. Modules are loaded per device at instantiate (compile time)
+# and initialize; execute only launches, so it is safe under CUDA-graph capture.
+_HANDLER_SYMBOLS = {
+    PREPARE_TARGET: {
+        "instantiate": "JaxKdaPrepareV1Instantiate",
+        "initialize": "JaxKdaPrepareV1Initialize",
+        "execute": "JaxKdaPrepareV1Execute",
+    },
+    RECURRENCE_TARGET: {
+        "instantiate": "JaxKdaRecurrenceV1Instantiate",
+        "initialize": "JaxKdaRecurrenceV1Initialize",
+        "execute": "JaxKdaRecurrenceV1Execute",
+    },
+}
+
+HEAD_DIM = 128
+CHUNK = 16
+RECORD_BYTES = 13824  # one workspace record per (head, chunk slot)
+INVERSE_IDS = {"stable": 0, "neumann": 1}
+BLOCK_V_CHOICES = (16, 32, 64, 128)
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_library_path: pathlib.Path | None = None
+_reason = "not loaded yet"
+_registered = False
+
+
+def _candidate_paths() -> list[pathlib.Path]:
+    """The env override, the package's own _lib/, then jax_kda/_lib/ on sys.path (editable installs
+    keep built files in site-packages while this file stays in the source tree)."""
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return [pathlib.Path(override)]
+    here = pathlib.Path(__file__).resolve().parent / "_lib" / LIBRARY_NAME
+    others = [pathlib.Path(p) / "jax_kda" / "_lib" / LIBRARY_NAME for p in sys.path if p]
+    return list(dict.fromkeys([here, *others]))
+
+
+def library_path() -> pathlib.Path | None:
+    """Where the library was loaded from (None when it was not)."""
+    _ensure_registered()
+    return _library_path
+
+
+def _load() -> None:
+    global _library, _library_path, _reason
+    candidates = _candidate_paths()
+    found = [p for p in candidates if p.is_file()]
+    if not found:
+        _reason = (
+            f"{LIBRARY_NAME} is not installed (looked in {', '.join(str(p.parent) for p in candidates[:3])}"
+            f"{', ...' if len(candidates) > 3 else ''}); the package was built without kernels "
+            "(JAX_KDA_BUILD_KERNELS=0) or from a source tree without a build"
+        )
+        return
+    try:
+        library = ctypes.CDLL(str(found[0]))
+    except OSError as error:
+        _reason = f"cannot load {found[0]}: {error}"
+        return
+    library.jax_kda_ffi_abi_version.restype = ctypes.c_int
+    version = library.jax_kda_ffi_abi_version()
+    if version != ABI_VERSION:
+        _reason = f"{found[0]} implements kernel ABI v{version}, this jax_kda expects v{ABI_VERSION}"
+        return
+    _library, _library_path = library, found[0]
+
+
+def _register() -> None:
+    """Registers both targets for CUDA; repeated calls (and re-imports) do nothing."""
+    global _registered, _reason
+    for target, stages in _HANDLER_SYMBOLS.items():
+        bundle = {stage: jax.ffi.pycapsule(getattr(_library, symbol))
+                  for stage, symbol in stages.items()}
+        jax.ffi.register_ffi_target(target, bundle, platform="CUDA")
+    _registered = True
+    _reason = ""
+
+
+def _ensure_registered() -> None:
+    with _lock:
+        if _registered or _reason != "not loaded yet":
+            return
+        _load()
+        if _library is not None:
+            _register()
+
+
+def kernels_available() -> bool:
+    """True when the FFI library is present, loadable, of this ABI, and its targets registered."""
+    _ensure_registered()
+    return _registered
+
+
+def unavailable_reason() -> str:
+    """Why kernels_available() is False ("" when it is True)."""
+    _ensure_registered()
+    return _reason
+
+
+def built_kernels() -> list[str]:
+    """Names of the specialisations inside the library, e.g. jax_kda_recurrence_bv32_sm90a."""
+    if not kernels_available():
+        return []
+    _library.jax_kda_ffi_kernels.restype = ctypes.c_char_p
+    names = _library.jax_kda_ffi_kernels().decode()
+    return names.split(",") if names else []
+
+
+SUPPORTED_COMPUTE_CAPABILITIES = ("9.0", "10.0")  # sm_90a and sm_100a objects in the library
+
+
+def device_supported(device) -> bool:
+    """Whether the library has kernels for this JAX device (H100/H200: 9.0, B200/GB200: 10.0).
+    The 'a' architectures are not forward compatible, so e.g. sm_103 or sm_120 are not."""
+    return (
+        getattr(device, "platform", None) == "gpu"
+        and getattr(device, "compute_capability", None) in SUPPORTED_COMPUTE_CAPABILITIES
+    )
+
+
+def workspace_slots(total_tokens: int, num_seqs: int) -> int:
+    """Chunk slots of the workspace: ceil(T_total / 16) + N (docs/kernel_abi.md)."""
+    return -(-total_tokens // CHUNK) + num_seqs
+
+
+def _expect(name, x, dtype, shape) -> None:
+    if x.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype).name}, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_bound, inverse):
+    """Custom call 1: per-chunk precomputation into the workspace uint8 [H, S, 13824]."""
+    if q.ndim != 3:
+        raise ValueError(f"q: expected [T_total, H, 128], got shape {tuple(q.shape)}")
+    if inverse not in INVERSE_IDS:
+        raise ValueError(f"inverse: expected one of {sorted(INVERSE_IDS)}, got {inverse!r}")
+    total, heads = q.shape[0], q.shape[1]
+    cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {cu_seqlens.shape}")
+    for name, x in (("q", q), ("k", k), ("g", g)):
+        _expect(name, x, jnp.bfloat16, (total, heads, HEAD_DIM))
+    _expect("beta", beta, jnp.bfloat16, (total, heads))
+    _expect("A_log", A_log, jnp.float32, (heads,))
+    _expect("dt_bias", dt_bias, jnp.float32, (heads, HEAD_DIM))
+    slots = workspace_slots(total, cu_seqlens.shape[0] - 1)
+    workspace = jax.ShapeDtypeStruct((heads, slots, RECORD_BYTES), jnp.uint8)
+    call = jax.ffi.ffi_call(PREPARE_TARGET, workspace)
+    # Attributes must be numpy 32-bit scalars: Python scalars lower as 64-bit and fail to decode.
+    return call(q, k, g, beta, A_log, dt_bias, cu_seqlens, scale=np.float32(scale),
+                lower_bound=np.float32(lower_bound), inverse=np.int32(INVERSE_IDS[inverse]))
+
+
+def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, block_v, alias_state=True):
+    """Custom call 2: the chunk recurrence. Returns (out bf16 [T_total, H, 128],
+    final_state bf16 [N, H, 128, 128]). With alias_state the final state is written into
+    state0's buffer (XLA copies first unless the caller donated it)."""
+    if v.ndim != 3:
+        raise ValueError(f"v: expected [T_total, H, 128], got shape {tuple(v.shape)}")
+    if block_v not in BLOCK_V_CHOICES:
+        raise ValueError(f"block_v: expected one of {BLOCK_V_CHOICES}, got {block_v!r}")
+    total, heads = v.shape[0], v.shape[1]
+    cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {cu_seqlens.shape}")
+    num_seqs = cu_seqlens.shape[0] - 1
+    _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
+    _expect("beta", beta, jnp.bfloat16, (total, heads))
+    _expect("workspace", workspace, jnp.uint8,
+            (heads, workspace_slots(total, num_seqs), RECORD_BYTES))
+    _expect("initial_state", state0, jnp.bfloat16, (num_seqs, heads, HEAD_DIM, HEAD_DIM))
+    results = (
+        jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
+        jax.ShapeDtypeStruct(state0.shape, jnp.bfloat16),
+    )
+    call = jax.ffi.ffi_call(RECURRENCE_TARGET, results,
+                            input_output_aliases={4: 1} if alias_state else None)
+    return call(v, beta, workspace, cu_seqlens, state0, block_v=np.int32(block_v))
+
+
+_ensure_registered()  # register at import; idempotent

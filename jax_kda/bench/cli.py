@@ -1,0 +1,240 @@
+"""`python -m jax_kda.bench`: time jax_kda's kernels (and others) over a set of cases.
+
+Examples:
+  python -m jax_kda.bench                                  # BASELINES.md cases on a GPU
+  python -m jax_kda.bench --seqlen 8192 --heads 96,12,6 --compare fla --compare flashkda
+  python -m jax_kda.bench --variants recurrence --block-v 32,64,128,auto --seqlen 8192 --heads 6
+  python -m jax_kda.bench --variants reference --seqlen 64 --heads 2   # CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import re
+import sys
+import traceback
+from pathlib import Path
+
+from . import cases as cases_mod
+from .jax_variants import KINDS, Variant, VariantUnavailable, kernels_status
+from .progress import progress_bar
+from .torch_compare import COMPARE_CHOICES
+
+DEFAULT_BLOCK_V = "16,32,64,128,auto"
+DEFAULT_TOTAL_BLOCK_V = "128,auto"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jax_kda.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("cases (default: the BASELINES preset with kernels, else 'tiny')")
+    g.add_argument("--preset", choices=sorted(cases_mod.PRESETS),
+                   help="a named set of cases; combined with the cases below if both are given")
+    g.add_argument("--seqlen", help="comma-separated sequence lengths T, e.g. 8192,2048")
+    g.add_argument("--heads", help="comma-separated head counts (default 96,48,24,12,6)")
+    g.add_argument("--num-seqs", type=int, default=1,
+                   help="sequences of length T per --seqlen case (default 1)")
+    g.add_argument("--layout", choices=("varlen", "batched"), default="varlen",
+                   help="how --num-seqs > 1 sequences are passed (default: packed with cu_seqlens)")
+    g.add_argument("--varlen", action="append", default=[], metavar="L1,L2,...",
+                   help="a packed variable-length case (repeatable), e.g. 1300,547,2048,963,271,3063")
+    g = p.add_argument_group("what to time")
+    g.add_argument("--variants", help=f"comma-separated subset of {','.join(KINDS)} (default: "
+                   "prepare,recurrence,total with kernels, else reference)")
+    g.add_argument("--block-v", default=DEFAULT_BLOCK_V,
+                   help=f"block_v values for 'recurrence' (default {DEFAULT_BLOCK_V}; "
+                   "128 = one CTA per head, auto = the launch heuristic)")
+    g.add_argument("--total-block-v", default=DEFAULT_TOTAL_BLOCK_V,
+                   help=f"block_v values for 'total' (default {DEFAULT_TOTAL_BLOCK_V})")
+    g.add_argument("--compare", action="append", default=[], choices=COMPARE_CHOICES,
+                   help="also time fla's chunk_kda or FlashKDA through torch (repeatable)")
+    g.add_argument("--baseline", help="variant the ratios are relative to (default total:bv=128 "
+                   "when timed, else the first variant)")
+    g.add_argument("--inverse", choices=("stable", "neumann"), default="stable")
+    g = p.add_argument_group("timing")
+    g.add_argument("--repeats", type=int, default=20, help="samples per variant (median; default 20)")
+    g.add_argument("--warmup", type=int, default=3, help="untimed runs after compilation")
+    g.add_argument("--inner", type=int, help="initial calls per JAX sample (default 4 on GPU, 1 on CPU)")
+    g.add_argument("--min-chain-ms", type=float,
+                   help="grow the calls per sample until one sample takes this long "
+                   "(default 5 on GPU, 0 = off on CPU)")
+    g.add_argument("--torch-inner", type=int, default=10, help="calls per CUDA graph for torch")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="benchmarks/results", help="output folder")
+    g.add_argument("--tag", help="file name stem (default <device>-<UTC time>)")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--dry-run", action="store_true", help="list cases and variants, run nothing")
+    return p
+
+
+def _parse_block_v(text: str, what: str) -> list[int | str]:
+    from .._checks import BLOCK_V_CHOICES
+
+    values: list[int | str] = []
+    for part in (s.strip() for s in text.split(",") if s.strip()):
+        value: int | str = part if part == "auto" else int(part)
+        if value != "auto" and value not in BLOCK_V_CHOICES:
+            raise ValueError(f"{what}: block_v must be one of {BLOCK_V_CHOICES} or auto, got {part}")
+        values.append(value)
+    return values
+
+
+def _variants(args, kernels_ok: bool) -> list[Variant]:
+    kinds = ([s.strip() for s in args.variants.split(",") if s.strip()] if args.variants
+             else (["prepare", "recurrence", "total"] if kernels_ok else ["reference"]))
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; choose from {KINDS}")
+    out: list[Variant] = []
+    for kind in kinds:
+        if kind == "recurrence":
+            out += [Variant(kind, bv) for bv in _parse_block_v(args.block_v, "--block-v")]
+        elif kind == "total":
+            out += [Variant(kind, bv) for bv in _parse_block_v(args.total_block_v, "--total-block-v")]
+        else:
+            out.append(Variant(kind))
+    out += [Variant(name) for name in dict.fromkeys(args.compare)]
+    return list(dict.fromkeys(out))
+
+
+def _cases(args, kernels_ok: bool):
+    heads = cases_mod.parse_int_list(args.heads, "--heads") if args.heads else None
+    seqlens = cases_mod.parse_int_list(args.seqlen, "--seqlen") if args.seqlen else ()
+    varlens = [cases_mod.parse_int_list(v, "--varlen") for v in args.varlen]
+    preset = args.preset
+    if not preset and not seqlens and not varlens:
+        preset = "baselines" if kernels_ok else "tiny"
+    default_heads = cases_mod.BASELINE_HEADS if seqlens else (96,)
+    return cases_mod.build_cases(preset=preset, seqlens=seqlens, heads=heads or default_heads,
+                                 num_seqs=args.num_seqs, layout=args.layout, varlens=varlens)
+
+
+def _device_meta() -> dict:
+    import jax
+
+    import jax_kda
+
+    dev = jax.devices()[0]
+    return {
+        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device_kind": dev.device_kind, "platform": dev.platform,
+        "device_count": jax.device_count(), "sm_count": getattr(dev, "core_count", None),
+        "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
+        else None, "jax_kda": jax_kda.__version__, "python": platform.python_version(),
+        "host": platform.node(), "argv": sys.argv[1:],
+    }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def _run_one(variant, case, np_inputs, jax_inputs, args, timing_opts):
+    from . import jax_variants, timing, torch_compare
+
+    if variant.kind in torch_compare.BUILDERS:
+        fn, notes = torch_compare.BUILDERS[variant.kind](case, np_inputs)
+        t = timing.time_torch(fn, repeats=args.repeats, warmup=args.warmup, inner=args.torch_inner)
+        return t.summary() | ({"notes": notes} if notes else {})
+    fn, fn_args, feedback, info = jax_variants.build(variant, case, jax_inputs,
+                                                     inverse=args.inverse)
+    return timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=args.warmup,
+                           **timing_opts).summary() | info
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    if args.compare:  # leave GPU memory for torch: JAX would otherwise preallocate 75% of it
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    from .inputs import make_inputs, to_jax
+    from .report import add_ratios, format_table, write_csv, write_json, write_plot
+
+    kernels_ok, kernels_why = kernels_status()
+    on_gpu = jax.default_backend() == "gpu"
+    try:
+        cases = _cases(args, kernels_ok)
+        variants = _variants(args, kernels_ok)
+    except ValueError as err:
+        raise SystemExit(f"python -m jax_kda.bench: {err}") from None
+    names = [v.name for v in variants]
+    baseline = args.baseline or ("total:bv=128" if "total:bv=128" in names else names[0])
+    if baseline not in names:
+        raise SystemExit(f"--baseline {baseline!r} is not among the variants {names}")
+    timing_opts = {"inner": args.inner or (4 if on_gpu else 1),
+                   "min_chain_ms": args.min_chain_ms if args.min_chain_ms is not None
+                   else (5.0 if on_gpu else 0.0)}
+
+    print(f"jax_kda.bench: {len(cases)} cases x {len(variants)} variants on "
+          f"{jax.devices()[0].device_kind}; kernels: "
+          f"{'available' if kernels_ok else kernels_why}", flush=True)
+    if args.dry_run:
+        for c in cases:
+            print(f"  case {c.name}: seq_lens={list(c.seq_lens)} heads={c.heads} layout={c.layout}")
+        print("  variants: " + ", ".join(names) + f" (baseline {baseline})")
+        return 0
+
+    meta = _device_meta() | {
+        "inverse": args.inverse, "baseline": baseline, "kernels_available": kernels_ok,
+        "kernels_unavailable_reason": kernels_why or None, "repeats": args.repeats,
+        "warmup": args.warmup, "seed": args.seed, "variants": names,
+    }
+    if args.compare:
+        from .torch_compare import versions
+
+        meta["compare_versions"] = versions()
+
+    results = []
+    bar = progress_bar(len(cases) * len(variants), enabled=not args.no_progress)
+    for case in cases:
+        np_inputs = make_inputs(case, seed=args.seed)
+        jax_inputs = to_jax(np_inputs)
+        for variant in variants:
+            bar.set_description(f"{case.name} {variant.name}")
+            row = case.as_dict() | {"case": case.name, "variant": variant.name,
+                                    "kind": variant.kind, "block_v": variant.block_v}
+            row.pop("name")
+            try:
+                row |= {"status": "ok"} | _run_one(variant, case, np_inputs, jax_inputs, args,
+                                                   timing_opts)
+            except VariantUnavailable as why:
+                row |= {"status": "skipped", "error": str(why)}
+            except Exception as err:  # noqa: BLE001 - record, keep benchmarking the rest
+                row |= {"status": "error", "error": f"{type(err).__name__}: {err}"}
+                traceback.print_exc(file=sys.stderr)
+            results.append(row)
+            bar.update(1)
+        del jax_inputs
+    bar.close()
+
+    add_ratios(results, baseline)
+    case_dicts = [c.as_dict() for c in cases]
+    print(format_table(case_dicts, names, results, baseline))
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or f"{_slug(meta['device_kind'])}-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}"
+    paths = {ext: out_dir / f"{tag}.{ext}" for ext in ("json", "csv", "png")}
+    write_json(paths["json"], meta, case_dicts, results)
+    write_csv(paths["csv"], results)
+    written = [paths["json"], paths["csv"]]
+    if args.no_plot:
+        pass
+    else:
+        why_not = write_plot(paths["png"], case_dicts, names, results, baseline,
+                             f"jax_kda prefill on {meta['device_kind']} ({meta['date_utc'][:10]})")
+        if why_not:
+            print(f"plot skipped: {why_not}")
+        else:
+            written.append(paths["png"])
+    print("wrote " + ", ".join(str(p) for p in written))
+    failed = [r for r in results if r["status"] == "error"]
+    return 1 if failed else 0

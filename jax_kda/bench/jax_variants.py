@@ -1,0 +1,155 @@
+"""The jax_kda variants a benchmark can time: each turns a case's inputs into (fn, args)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .cases import Case
+
+KINDS = ("prepare", "recurrence", "total", "reference")
+
+
+class VariantUnavailable(RuntimeError):
+    """The variant cannot run here (no kernels, no GPU); the benchmark records why and goes on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    kind: str  # prepare | recurrence | total | reference | fla | flashkda
+    block_v: int | str | None = None  # value columns per CTA; "auto" = launch heuristic
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.block_v is None else f"{self.kind}:bv={self.block_v}"
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.kind in ("prepare", "recurrence", "total")
+
+
+def kernels_status() -> tuple[bool, str]:
+    """(available, why not) for jax_kda's GPU kernels on this process's default device."""
+    import jax
+
+    try:
+        from .. import _ffi
+    except ImportError as err:
+        return False, f"jax_kda._ffi could not be imported ({err})"
+    if not _ffi.kernels_available():
+        reason = getattr(_ffi, "unavailable_reason", lambda: "not built")()
+        return False, f"kernels unavailable: {reason}"
+    if jax.default_backend() != "gpu":
+        return False, f"no CUDA GPU (JAX default backend is {jax.default_backend()})"
+    return True, ""
+
+
+def _options(case: Case, inverse: str) -> dict:
+    return {"scale": 128**-0.5, "lower_bound": -5.0, "inverse": inverse}
+
+
+def _prefill_kwargs(case: Case, x: dict) -> dict:
+    return {"cu_seqlens": x["cu_seqlens"]} if case.layout == "varlen" else {}
+
+
+def _flat(a):
+    """[B, T, ...] -> [B*T, ...], the kernels' packed layout (docs/kernel_abi.md)."""
+    return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+
+
+def _zero_times(x):
+    """0 * one element of x, in f32: a value XLA must compute (0 * inf is not 0), so whatever takes
+    it depends on x at the cost of a tiny fusion."""
+    import jax.numpy as jnp
+
+    return 0.0 * x.reshape(-1)[0].astype(jnp.float32)
+
+
+def _state_feedback(args, outs):
+    """For the kernels behind fn(q, k, v, g, beta, A_log, dt_bias, state) -> (out, final_state):
+    the next call starts from this call's final state (as chunked prefill does), and A_log
+    depends on it too, so the state-independent prepare step cannot be merged away. The custom
+    calls keep `out` alive themselves."""
+    q, k, v, g, beta, A_log, dt_bias, _ = args
+    _, final_state = outs
+    return q, k, v, g, beta, A_log + _zero_times(final_state), dt_bias, final_state
+
+
+def _reference_feedback(args, outs):
+    """As _state_feedback, plus a dependency on every output element: XLA would otherwise drop
+    (or slice away) the reference's output computation, which nothing else uses."""
+    import jax.numpy as jnp
+
+    q, k, v, g, beta, A_log, dt_bias, state = _state_feedback(args, outs)
+    return q, k, v, g, beta, A_log + 0.0 * jnp.sum(outs[0].astype(jnp.float32)), dt_bias, state
+
+
+def _prepare_feedback(args, workspace):
+    q, k, g, beta, A_log, dt_bias, cu = args
+    return q, k, g, beta, A_log + _zero_times(workspace), dt_bias, cu
+
+
+def _recurrence_feedback(args, outs):
+    v, beta, workspace, cu, _ = args
+    return v, beta, workspace, cu, outs[1]  # the custom call keeps `out` alive itself
+
+
+def compute_workspace(prepare, prepare_args):
+    """The recurrence's input, computed once outside the timed program."""
+    import jax
+
+    return jax.block_until_ready(jax.jit(prepare)(*prepare_args))
+
+
+def build(variant: Variant, case: Case, x: dict, *, inverse: str):
+    """(fn, args, feedback, info): fn(*args) runs the variant once on the case's (jax) inputs x;
+    feedback(args, outputs) gives the next call's args (see timing.py); info holds what the
+    variant resolved (the block_v that "auto" picked)."""
+    import jax.numpy as jnp
+
+    from .. import kda_prefill
+
+    opts = _options(case, inverse)
+    extra = _prefill_kwargs(case, x)
+    gate_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["state"])
+
+    if variant.kind == "reference":
+        def reference(q, k, v, g, beta, A_log, dt_bias, state):
+            return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
+                               output_final_state=True, backend="reference", **opts, **extra)
+        return reference, gate_args, _reference_feedback, {}
+
+    ok, why = kernels_status()
+    if not ok:
+        raise VariantUnavailable(why)
+    from .. import _ffi, _launch
+
+    block_v = variant.block_v
+    if block_v == "auto":
+        block_v = _launch.choose_block_v(num_seqs=case.num_seqs, heads=case.heads)
+    info = {"block_v_used": block_v}
+    cu = jnp.asarray(case.cu_seqlens(), jnp.int32)  # the packed view of batched inputs too
+
+    if variant.kind == "total":
+        def total(q, k, v, g, beta, A_log, dt_bias, state):
+            return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
+                               output_final_state=True, backend="kernel", column_split=block_v,
+                               **opts, **extra)
+        return total, gate_args, _state_feedback, info
+
+    def prepare(q, k, g, beta, A_log, dt_bias, cu):
+        return _ffi.prepare_call(_flat(q), _flat(k), _flat(g), _flat(beta), A_log, dt_bias, cu,
+                                 **opts)
+
+    prepare_args = (x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], cu)
+    if variant.kind == "prepare":
+        return prepare, prepare_args, _prepare_feedback, {}
+
+    if variant.kind == "recurrence":
+        workspace = compute_workspace(prepare, prepare_args)
+
+        def recurrence(v, beta, workspace, cu, state):
+            return _ffi.recurrence_call(_flat(v), _flat(beta), workspace, cu, state,
+                                        block_v=block_v)
+        return recurrence, (x["v"], x["beta"], workspace, cu, x["state"]), _recurrence_feedback, info
+
+    raise ValueError(f"unknown variant kind {variant.kind!r}")

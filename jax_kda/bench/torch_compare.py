@@ -1,0 +1,121 @@
+"""Other KDA implementations timed in the same process through torch: fla and FlashKDA.
+
+Both receive the same numbers as jax_kda (the case's numpy inputs): bf16 q/k/v/g/beta, f32 A_log
+and dt_bias, lower_bound -5, scale 128**-0.5, a bf16 initial state (f32 for fla, which keeps its
+state in f32), the final state requested, and cu_seqlens for varlen cases.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from .cases import Case
+from .jax_variants import VariantUnavailable
+
+COMPARE_CHOICES = ("fla", "flashkda")
+
+
+def torch_status() -> tuple[bool, str]:
+    try:
+        import torch
+    except ImportError as err:
+        return False, f"torch is not importable ({err})"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    return True, ""
+
+
+def versions() -> dict:
+    found = {}
+    for module in ("torch", "triton", "fla", "flash_kda"):
+        try:
+            found[module] = getattr(__import__(module), "__version__", "unknown")
+        except Exception:  # noqa: BLE001 - a broken optional import is reported as absent
+            found[module] = None
+    return found
+
+
+def _tensors(case: Case, x: dict):
+    import torch
+
+    dev = torch.device("cuda")
+
+    def t(name, dtype):
+        return torch.from_numpy(x[name]).to(device=dev, dtype=dtype).contiguous()
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    cu = torch.tensor(case.cu_seqlens(), dtype=torch.long, device=dev)
+    return {
+        "q": t("q", bf16), "k": t("k", bf16), "v": t("v", bf16), "g": t("g", bf16),
+        "beta": t("beta", bf16), "A_log": t("A_log", f32), "dt_bias": t("dt_bias", f32),
+        "state": t("state", bf16), "cu_seqlens": cu if case.layout == "varlen" else None,
+    }
+
+
+def build_fla(case: Case, x: dict) -> tuple[Callable, dict]:
+    ok, why = torch_status()
+    if not ok:
+        raise VariantUnavailable(why)
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as err:
+        raise VariantUnavailable(f"fla.ops.kda.chunk_kda is not importable ({err})") from err
+    import torch
+
+    d = _tensors(case, x)
+    params = inspect.signature(chunk_kda).parameters
+    notes = {}
+    kwargs = {
+        "scale": 128**-0.5, "initial_state": d["state"].float(), "output_final_state": True,
+        "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "A_log": d["A_log"],
+        "dt_bias": d["dt_bias"], "lower_bound": -5.0, "transpose_state_layout": True,
+        "use_beta_sigmoid_in_kernel": True,
+    }
+    if d["cu_seqlens"] is not None:
+        kwargs["cu_seqlens"] = d["cu_seqlens"]
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    dropped = [k for k in kwargs if k not in params and not accepts_any]
+    for key in dropped:
+        kwargs.pop(key)
+    beta = d["beta"]
+    if "use_beta_sigmoid_in_kernel" in dropped:
+        beta = torch.sigmoid(beta.float()).to(torch.bfloat16)  # this fla takes beta post-sigmoid
+        notes["beta"] = "sigmoid applied outside the timed call (this fla has no in-kernel sigmoid)"
+    for required in ("use_gate_in_kernel", "A_log", "lower_bound"):
+        if required in dropped:
+            raise VariantUnavailable(f"this fla's chunk_kda has no {required}= (too old for KDA gates)")
+    if dropped:
+        notes["dropped_kwargs"] = dropped
+
+    def run():
+        return chunk_kda(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=beta, **kwargs)
+
+    return run, notes
+
+
+def build_flashkda(case: Case, x: dict) -> tuple[Callable, dict]:
+    ok, why = torch_status()
+    if not ok:
+        raise VariantUnavailable(why)
+    try:
+        import flash_kda
+    except Exception as err:
+        raise VariantUnavailable(f"flash_kda is not importable ({err})") from err
+    import torch
+
+    d = _tensors(case, x)
+    out = torch.empty_like(d["v"])
+    final_state = torch.empty_like(d["state"])
+    extra = {"cu_seqlens": d["cu_seqlens"]} if d["cu_seqlens"] is not None else {}
+
+    def run():
+        flash_kda.fwd(d["q"], d["k"], d["v"], d["g"], d["beta"], 128**-0.5, out,
+                      A_log=d["A_log"], dt_bias=d["dt_bias"], lower_bound=-5.0,
+                      initial_state=d["state"], final_state=final_state, **extra)
+        return out
+
+    return run, {}
+
+
+BUILDERS = {"fla": build_fla, "flashkda": build_flashkda}

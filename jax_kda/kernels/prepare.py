@@ -1,0 +1,594 @@
+"""Kernel 1, "prepare" (SPEC.md), in CuTe DSL.
+
+One CTA of 128 threads per (chunk slot, head). The CTA finds its sequence by a
+binary search over cu_seqlens (docs/kernel_abi.md "Chunk slots"), exits when
+the slot belongs to no chunk, and otherwise writes one 13,824-byte workspace
+record (layout in jax_kda/kernels/workspace_layout.py).
+
+Work split, chosen so that the thread structure is SPEC's rounding order:
+  A. All global loads are issued first: 16-byte vectors, a warp reads two
+     256-byte rows; rows past the sequence end re-read the last valid row (in
+     bounds) and are zeroed in registers. L2 norm: thread t owns the 8-value
+     group (t % 16) of rows t // 16 and t // 16 + 8; the 16 lanes of a row
+     combine their partial sums with shfl.bfly 8, 4, 2, 1.
+  B. Gate, cumsum and decays: thread d owns column d and walks the 16 rows
+     sequentially (SPEC's running f32 sum).
+  C. Warp 0: L = kd.ki^T and the 16x16 inverse; warp 1: Mqk = qd.ki^T
+     (mma.sync m16n8k16 through shared memory, k-blocks ascending); warps 2-3
+     meanwhile store kd, qd, kr, gt of the staged record (16-byte vectors).
+  D. Threads 0-63 store INV and Mqk.
+The record is staged in shared memory byte-exact (swizzled rows included);
+about 30 KB of shared memory per CTA, so up to 7 CTAs per SM.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float16, Float32, Int32, Uint8, Uint32, cute
+from cutlass.base_dsl.compiler import ExtraCompilerOpts
+from cutlass.cute.nvgpu import warp
+from cutlass.memory import SmemAllocator
+
+from . import workspace_layout as wl
+from .common import (
+    LOG2E,
+    bf16_mul,
+    bf16_to_f32,
+    bf16x2_hi_to_f32,
+    bf16x2_lo_to_f32,
+    ex2_approx,
+    f16_add,
+    f16_mul,
+    f16_neg,
+    f16_to_f32,
+    f32_to_bf16,
+    f32_to_f16,
+    fadd,
+    ffma,
+    fmul,
+    fneg,
+    gate_scale_from_lower_bound,
+    pack_bf16x2,
+    rsqrt_approx,
+    sigmoid,
+)
+
+D = 128
+CHUNK = 16
+NUM_THREADS = 128
+INVERSES = ("stable", "neumann")
+ARCHS = ("sm_90a", "sm_100a")
+# SPEC's fast-math: f32 ops .ftz (the pinned helpers already say so), approx div/sqrt.
+NVVM_FAST_MATH = "nvvm-options='-ftz=1 -prec-div=0 -prec-sqrt=0 -fma=1'"
+
+
+def _swizzled_tile_layout():
+    """(16, 128) bf16 tile, element (r, c) at r*128 + ((c//8) ^ (r%8))*8 + c%8."""
+    return cute.make_composed_layout(
+        cute.make_swizzle(3, 3, 4), 0, cute.make_layout((CHUNK, D), stride=(D, 1))
+    )
+
+
+def _row_major(rows, cols):
+    return cute.make_layout((rows, cols), stride=(cols, 1))
+
+
+class KdaPrepare:
+    """Host entry + device kernel of SPEC.md "Kernel 1, prepare"."""
+
+    def __init__(self, inverse: str = "stable"):
+        if inverse not in INVERSES:
+            raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+        self.inverse = inverse
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        num_slots = mWorkspace.shape[1]
+        num_heads = mWorkspace.shape[0]
+        self.kernel(
+            mQ,
+            mK,
+            mG,
+            mBeta,
+            mALog,
+            mDtBias,
+            mCuSeqlens,
+            mWorkspace,
+            scale,
+            lower_bound,
+        ).launch(
+            grid=(num_slots, num_heads, 1),
+            block=(NUM_THREADS, 1, 1),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        slot, head, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tid % 32
+        t_total = mQ.shape[0]
+        num_seqs = mCuSeqlens.shape[0] - 1
+
+        # ---- slot -> (sequence, chunk) by binary search on the slot starts
+        lo = Int32(0)
+        hi = Int32(num_seqs)
+        while lo + 1 < hi:
+            mid = (lo + hi) // 2
+            if self._seq_start(mCuSeqlens, t_total, mid) // CHUNK + mid <= slot:
+                lo = mid
+            else:
+                hi = mid
+        seq = lo
+        bos = self._seq_start(mCuSeqlens, t_total, seq)
+        # min(): with N = 0 (cu_seqlens of length 1) never read past the array
+        eos = cutlass.max(
+            self._seq_start(mCuSeqlens, t_total, cutlass.min(seq + 1, num_seqs)), bos
+        )
+        chunk = Int32(slot) - (bos // CHUNK + seq)
+        num_chunks = (eos - bos + CHUNK - 1) // CHUNK
+        active = (num_seqs > 0) & (chunk >= 0) & (chunk < num_chunks)
+
+        if active:
+            row0 = bos + chunk * CHUNK
+            n_valid = cutlass.min(eos - row0, CHUNK)
+
+            # ---- A0. issue every global load first (rows past the end re-read the
+            # last valid row, in bounds, and are zeroed afterwards: no branches)
+            group = tid % 16
+            # (half, q/k/g, values), values contiguous so that each load is one 16-byte vector
+            raw = cute.make_rmem_tensor(
+                cute.make_layout((2, 3, 8), stride=(24, 8, 1)), BFloat16
+            )
+            for half in cutlass.range_constexpr(2):
+                r = tid // 16 + 8 * half
+                tok = row0 + cutlass.min(r, n_valid - 1)
+                for which, m_x in enumerate((mQ, mK, mG)):
+                    cute.autovec_copy(
+                        cute.local_tile(m_x[tok, head, None], (8,), (group,)),
+                        raw[half, which, None],
+                    )
+            beta_raw = mBeta[row0 + cutlass.min(tid % CHUNK, n_valid - 1), head]
+            col = tid
+            dt = mDtBias[head, col]
+            a_log = mALog[head]
+
+            # ---- shared memory (~30 KB: up to 7 CTAs per SM)
+            smem = SmemAllocator()
+            s_rec = smem.allocate_array(Uint8, wl.RECORD_BYTES, byte_alignment=128)
+            s_kd = _carve(s_rec, wl.KD_OFFSET, BFloat16, _swizzled_tile_layout())
+            s_qd = _carve(s_rec, wl.QD_OFFSET, BFloat16, _swizzled_tile_layout())
+            s_kr = _carve(s_rec, wl.KR_OFFSET, BFloat16, _swizzled_tile_layout())
+            s_gt = _carve(s_rec, wl.GT_OFFSET, Float32, cute.make_layout(D))
+            s_inv = _carve(s_rec, wl.INV_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
+            s_mqk = _carve(s_rec, wl.MQK_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
+            s_ki = smem.allocate_tensor(
+                BFloat16, _swizzled_tile_layout(), byte_alignment=128
+            )
+            # normalised q, k and raw g live until phase B; phase C reuses the bytes
+            s_stage = smem.allocate_array(Uint8, 3 * CHUNK * D * 2, byte_alignment=128)
+            s_qn = _carve(s_stage, 0, BFloat16, _row_major(CHUNK, D))
+            s_kn = _carve(s_stage, CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
+            s_g = _carve(s_stage, 2 * CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
+            s_beta = smem.allocate_tensor(
+                Float32, cute.make_layout(CHUNK), byte_alignment=16
+            )
+
+            # ---- A. L2 norm of q and k rows; raw g and b = sigmoid(beta) to smem
+            for half in cutlass.range_constexpr(2):
+                r = tid // 16 + 8 * half
+                valid = r < n_valid
+                self._normalize(raw[half, 0, None], s_qn, r, group, valid)
+                self._normalize(raw[half, 1, None], s_kn, r, group, valid)
+                g_words = cute.recast_tensor(raw[half, 2, None], Uint32)
+                if not valid:
+                    g_words.fill(0)
+                cute.autovec_copy(
+                    raw[half, 2, None], cute.local_tile(s_g[r, None], (8,), (group,))
+                )
+            if tid < CHUNK:
+                b = sigmoid(bf16_to_f32(beta_raw))
+                if tid >= n_valid:
+                    b = Float32(0.0)
+                s_beta[tid] = b
+            cute.arch.sync_threads()
+
+            # ---- B. gate, cumsum, decays (thread = column)
+            a_exp = ex2_approx(fmul(a_log, Float32(LOG2E)))
+            gate_scale = gate_scale_from_lower_bound(lower_bound)
+            cum = cute.make_rmem_tensor((CHUNK,), Float32)
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(CHUNK):
+                x = fmul(a_exp, fadd(bf16_to_f32(s_g[r, col]), dt))
+                gate = fmul(gate_scale, sigmoid(x))
+                if r >= n_valid:
+                    gate = Float32(0.0)
+                total = fadd(total, gate)
+                cum[r] = total
+            gt = ex2_approx(total)
+            s_gt[col] = gt
+            gt_b = f32_to_bf16(gt)
+            scale_b = f32_to_bf16(scale)
+            for r in cutlass.range_constexpr(CHUNK):
+                e = f32_to_bf16(ex2_approx(cum[r]))
+                ei = f32_to_bf16(ex2_approx(fneg(cum[r])))
+                qn = s_qn[r, col]
+                kn = s_kn[r, col]
+                s_qd[r, col] = bf16_mul(bf16_mul(qn, e), scale_b)
+                s_kd[r, col] = bf16_mul(kn, e)
+                ki = bf16_mul(kn, ei)
+                s_ki[r, col] = ki
+                s_kr[r, col] = bf16_mul(ki, gt_b)
+            cute.arch.sync_threads()
+
+            # ---- C. warp 0: inverse, warp 1: Mqk, warps 2-3: store kd, qd, kr, gt
+            g_rec = mWorkspace[head, slot, None]
+            s_rec_t = cute.make_tensor(s_rec, cute.make_layout(wl.RECORD_BYTES))
+            if warp_idx == 0:
+                if cutlass.const_expr(self.inverse == "stable"):
+                    self._inverse_stable(s_stage, s_kd, s_ki, s_beta, s_inv, lane)
+                else:
+                    self._inverse_neumann(s_stage, s_kd, s_ki, s_beta, s_inv, lane)
+            if warp_idx == 1:
+                self._mqk(s_qd, s_ki, s_mqk, lane)
+            if warp_idx >= 2:
+                _copy_granules(s_rec_t, g_rec, tid - 64, 64, 0, wl.INV_OFFSET // 16)
+            cute.arch.sync_threads()
+
+            # ---- D. INV and Mqk (64 granules) -> global
+            if tid < 64:
+                _copy_granules(
+                    s_rec_t, g_rec, tid, 64, wl.INV_OFFSET // 16, wl.RECORD_BYTES // 16
+                )
+
+    # ------------------------------------------------------------ helpers
+    @cute.jit
+    def _seq_start(self, mCuSeqlens: cute.Tensor, t_total: Int32, n: Int32) -> Int32:
+        """cu_seqlens[n] clamped into [0, T_total] (malformed input stays in bounds)."""
+        return cutlass.min(cutlass.max(Int32(mCuSeqlens[n]), Int32(0)), Int32(t_total))
+
+    @cute.jit
+    def _normalize(
+        self,
+        frag: cute.Tensor,
+        s_out: cute.Tensor,
+        r: Int32,
+        group: Int32,
+        valid: cutlass.Boolean,
+    ):
+        """Row r, values 8*group..8*group+7 (bf16 frag): bf16(x * rsqrt(sum x^2 + 1e-6)) into
+        s_out; an invalid row is a zero row."""
+        words = cute.recast_tensor(frag, Uint32)
+        if not valid:
+            words.fill(0)
+        vals = cute.make_rmem_tensor((8,), Float32)
+        for i in cutlass.range_constexpr(4):
+            vals[2 * i] = bf16x2_lo_to_f32(words[i])
+            vals[2 * i + 1] = bf16x2_hi_to_f32(words[i])
+        # 16 groups of 8: sequential FMA from 0, then the xor butterfly 8, 4, 2, 1
+        sq = Float32(0.0)
+        for i in cutlass.range_constexpr(8):
+            sq = ffma(vals[i], vals[i], sq)
+        for off in cutlass.range_constexpr(4):
+            sq = fadd(sq, cute.arch.shuffle_sync_bfly(sq, offset=8 >> off))
+        inv = rsqrt_approx(fadd(sq, Float32(1e-6)))
+        out = cute.make_rmem_tensor((4,), Uint32)
+        for i in cutlass.range_constexpr(4):
+            out[i] = pack_bf16x2(fmul(vals[2 * i], inv), fmul(vals[2 * i + 1], inv))
+        dst = cute.local_tile(s_out[r, None], (8,), (group,))
+        cute.autovec_copy(cute.recast_tensor(out, BFloat16), dst)
+
+    @cute.jit
+    def _mma_16x16(self, tiled_mma, thr_mma, acc, s_a: cute.Tensor, s_b: cute.Tensor):
+        """acc += A.B^T for A (16, K), B (16, K) in shared memory, k-blocks ascending."""
+        t_a = thr_mma.partition_A(s_a)
+        t_b = thr_mma.partition_B(s_b)
+        r_a = tiled_mma.make_fragment_A(t_a)
+        r_b = tiled_mma.make_fragment_B(t_b)
+        cute.autovec_copy(t_a, r_a)
+        cute.autovec_copy(t_b, r_b)
+        for kb in cutlass.range_constexpr(cute.size(r_a, mode=[2])):
+            cute.gemm(tiled_mma, acc, r_a[None, None, kb], r_b[None, None, kb], acc)
+
+    @cute.jit
+    def _mqk(
+        self, s_qd: cute.Tensor, s_ki: cute.Tensor, s_mqk: cute.Tensor, lane: Int32
+    ):
+        """Mqk = bf16(qd . ki^T), lower triangle with diagonal."""
+        tiled_mma = _tiled_mma_bf16()
+        thr = tiled_mma.get_slice(lane)
+        coords = thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        acc = tiled_mma.make_fragment_C(coords.shape)
+        acc.fill(0.0)
+        self._mma_16x16(tiled_mma, thr, acc, s_qd, s_ki)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coords[i]
+            v = f32_to_bf16(acc[i])
+            if r < c:
+                v = BFloat16(0.0)
+            s_mqk[r, c] = v
+
+    @cute.jit
+    def _inverse_stable(self, scratch, s_kd, s_ki, s_beta, s_inv, lane: Int32):
+        """INV by two f32 8x8 forward substitutions and one bf16 block step (SPEC 6).
+
+        scratch: >= 3 KB of dead shared memory (bytes)."""
+        tile = CHUNK * CHUNK * 2
+        s_l = _carve(scratch, 0, Float32, _row_major(CHUNK, CHUNK))
+        s_p = _carve(scratch, 2 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        # B operands are stored transposed (B(n, k) = X[k][n] row-major) so that
+        # fragment loads stay plain 32-bit smem loads
+        s_p_t = _carve(scratch, 3 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        s_m_t = _carve(scratch, 4 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        s_n = _carve(scratch, 5 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        tiled_mma = _tiled_mma_bf16()
+        thr = tiled_mma.get_slice(lane)
+        coords = thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+
+        # L = (kd . ki^T) strictly lower, rows scaled by b in f32
+        acc = tiled_mma.make_fragment_C(coords.shape)
+        acc.fill(0.0)
+        self._mma_16x16(tiled_mma, thr, acc, s_kd, s_ki)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coords[i]
+            v = fmul(acc[i], s_beta[r])
+            if r <= c:
+                v = Float32(0.0)
+            s_l[r, c] = v
+        cute.arch.sync_warp()
+
+        # forward substitution: lane i < 16 owns row i of its 8x8 diagonal block
+        row = lane % CHUNK
+        blk = row // 8
+        il = row % 8
+        inv = cute.make_rmem_tensor((8,), Float32)
+        for p in cutlass.range_constexpr(8):
+            v = s_l[row, blk * 8 + p]
+            if p == il:
+                v = Float32(1.0)
+            if p > il:
+                v = Float32(0.0)
+            inv[p] = v
+        cute.arch.sync_warp()
+        for s in cutlass.range_constexpr(7):
+            if (lane < CHUNK) & (il > s):
+                rr = fneg(inv[s])
+                for p in cutlass.range_constexpr(s):
+                    inv[p] = ffma(rr, s_l[blk * 8 + s, blk * 8 + p], inv[p])
+                inv[s] = rr
+            cute.arch.sync_warp()
+            if lane < CHUNK:
+                # publish this row (s_l's block entries now hold the inverse so far)
+                for p in cutlass.range_constexpr(8):
+                    if p < il:
+                        s_l[row, blk * 8 + p] = inv[p]
+            cute.arch.sync_warp()
+
+        # P = blockdiag(bf16(A^-1), bf16(B^-1)); M = [[0,0],[bf16(L[8:,:8]),0]]
+        if lane < CHUNK:
+            for c in cutlass.range_constexpr(CHUNK):
+                pv = BFloat16(0.0)
+                if (c // 8 == blk) & (c % 8 <= il):
+                    pv = f32_to_bf16(inv[c % 8])
+                s_p[row, c] = pv
+                s_p_t[c, row] = pv
+        cute.arch.sync_warp()
+        # M needs the original L[8:16, 0:8] (not overwritten: only diagonal blocks were)
+        if lane < CHUNK:
+            for c in cutlass.range_constexpr(CHUNK):
+                mv = BFloat16(0.0)
+                if cutlass.const_expr(c < 8):
+                    mv = f32_to_bf16(s_l[row, c])
+                    if row < 8:
+                        mv = BFloat16(0.0)
+                s_m_t[c, row] = mv
+        cute.arch.sync_warp()
+
+        # dc = P.M ; n = bf16(-dc)
+        acc2 = tiled_mma.make_fragment_C(coords.shape)
+        acc2.fill(0.0)
+        self._mma_16x16(tiled_mma, thr, acc2, s_p, s_m_t)
+        for i in cutlass.range_constexpr(cute.size(acc2)):
+            r, c = coords[i]
+            s_n[r, c] = f32_to_bf16(fneg(acc2[i]))
+        cute.arch.sync_warp()
+
+        # o = n.P ; INV = P + bf16(o)
+        acc3 = tiled_mma.make_fragment_C(coords.shape)
+        acc3.fill(0.0)
+        self._mma_16x16(tiled_mma, thr, acc3, s_n, s_p_t)
+        for i in cutlass.range_constexpr(cute.size(acc3)):
+            r, c = coords[i]
+            o = bf16_to_f32(f32_to_bf16(acc3[i]))
+            s_inv[r, c] = f32_to_bf16(fadd(bf16_to_f32(s_p[r, c]), o))
+
+    @cute.jit
+    def _inverse_neumann(self, scratch, s_kd, s_ki, s_beta, s_inv, lane: Int32):
+        """INV by FlashKDA v1's f16 Neumann series (SPEC 6, "neumann").
+
+        scratch: >= 4.5 KB of dead shared memory (bytes)."""
+        tiles = [
+            _carve(scratch, i * CHUNK * CHUNK * 2, Float16, _row_major(CHUNK, CHUNK))
+            for i in range(9)
+        ]
+        # each power of L is kept twice: row-major (A operand) and transposed (B operand)
+        s_l1, s_l1_t, s_l2, s_l2_t, s_l4, s_l4_t, s_l8_t, s_i0, s_i1 = tiles
+        tiled_mma = _tiled_mma_bf16()
+        thr = tiled_mma.get_slice(lane)
+        coords = thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+
+        # L = f16(kd . ki^T) strictly lower, rows times f16(b) in f16; INV = I - L
+        acc = tiled_mma.make_fragment_C(coords.shape)
+        acc.fill(0.0)
+        self._mma_16x16(tiled_mma, thr, acc, s_kd, s_ki)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coords[i]
+            lv = f16_mul(f32_to_f16(acc[i]), f32_to_f16(s_beta[r]))
+            if r <= c:
+                lv = Float16(0.0)
+            s_l1[r, c] = lv
+            s_l1_t[c, r] = lv
+            iv = f16_neg(lv)
+            if r == c:
+                iv = Float16(1.0)
+            s_i0[r, c] = iv
+        cute.arch.sync_warp()
+
+        h_mma = _tiled_mma_f16()
+        h_thr = h_mma.get_slice(lane)
+        h_coords = h_thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+
+        def product(s_a, s_b_t):
+            # f16 MMA with f16 accumulation from zero: s_a . s_b
+            a = h_mma.make_fragment_C(h_coords.shape)
+            a.fill(0.0)
+            self._mma_16x16(h_mma, h_thr, a, s_a, s_b_t)
+            return a
+
+        def square(s_src, s_src_t, s_dst, s_dst_t):
+            a = product(s_src, s_src_t)
+            for i in cutlass.range_constexpr(cute.size(a)):
+                r, c = h_coords[i]
+                if cutlass.const_expr(s_dst is not None):
+                    s_dst[r, c] = a[i]
+                s_dst_t[c, r] = a[i]
+
+        def accumulate(s_inv_in, s_pow_t, s_inv_out):
+            # INV + INV.L^k: separate f16 MMA from zero, then an f16 add (FlashKDA's order)
+            a = product(s_inv_in, s_pow_t)
+            for i in cutlass.range_constexpr(cute.size(a)):
+                r, c = h_coords[i]
+                s_inv_out[r, c] = f16_add(s_inv_in[r, c], a[i])
+
+        square(s_l1, s_l1_t, s_l2, s_l2_t)
+        cute.arch.sync_warp()
+        accumulate(s_i0, s_l2_t, s_i1)
+        square(s_l2, s_l2_t, s_l4, s_l4_t)
+        cute.arch.sync_warp()
+        accumulate(s_i1, s_l4_t, s_i0)
+        square(s_l4, s_l4_t, None, s_l8_t)
+        cute.arch.sync_warp()
+        a = product(s_i0, s_l8_t)
+        for i in cutlass.range_constexpr(cute.size(a)):
+            r, c = h_coords[i]
+            s_inv[r, c] = f32_to_bf16(f16_to_f32(f16_add(s_i0[r, c], a[i])))
+
+
+def _carve(base, byte_offset, dtype, layout):
+    """Tensor of `dtype` with `layout` at `byte_offset` of a shared-memory byte array."""
+    return cute.make_tensor(cute.recast_ptr(base + byte_offset, dtype=dtype), layout)
+
+
+@cute.jit
+def _copy_granules(
+    src: cute.Tensor, dst: cute.Tensor, first: Int32, stride: int, begin: int, end: int
+):
+    """Copy 16-byte granules begin..end-1 of a byte tensor, granule begin+first+i*stride per step."""
+    for it in cutlass.range_constexpr((end - begin + stride - 1) // stride):
+        v = begin + first + it * stride
+        if cutlass.const_expr(begin + (it + 1) * stride <= end):
+            cute.autovec_copy(
+                cute.local_tile(src, (16,), (v,)), cute.local_tile(dst, (16,), (v,))
+            )
+        else:
+            if v < end:
+                cute.autovec_copy(
+                    cute.local_tile(src, (16,), (v,)), cute.local_tile(dst, (16,), (v,))
+                )
+
+
+def _tiled_mma_bf16():
+    """One warp, 16x16 output from two m16n8k16 bf16 atoms, f32 accumulate."""
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)),
+        (1, 1, 1),
+        permutation_mnk=(16, 16, 16),
+    )
+
+
+def _tiled_mma_f16():
+    """One warp, 16x16 output from two m16n8k16 f16 atoms, f16 accumulate."""
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(Float16, Float16, (16, 8, 16)),
+        (1, 1, 1),
+        permutation_mnk=(16, 16, 16),
+    )
+
+
+# ------------------------------------------------------------------ build side
+def fake_args():
+    """Fake tensors for cute.compile, shapes per docs/kernel_abi.md (T_total, H, N, S dynamic).
+
+    Returns the positional arguments of KdaPrepare.__call__ (scalars as Float32
+    placeholders, a fake stream last).
+    """
+    t_total = cute.sym_int(symbol="T_total")
+    heads = cute.sym_int(symbol="H")
+    n_plus_1 = cute.sym_int(symbol="N_plus_1")
+    slots = cute.sym_int(symbol="S")
+    mk = cute.runtime.make_fake_compact_tensor
+    tok_major = (2, 1, 0)
+    return (
+        mk(
+            BFloat16, (t_total, heads, D), stride_order=tok_major, assumed_align=16
+        ),  # q
+        mk(
+            BFloat16, (t_total, heads, D), stride_order=tok_major, assumed_align=16
+        ),  # k
+        mk(
+            BFloat16, (t_total, heads, D), stride_order=tok_major, assumed_align=16
+        ),  # g
+        mk(BFloat16, (t_total, heads), stride_order=(1, 0), assumed_align=2),  # beta
+        mk(Float32, (heads,), assumed_align=4),  # A_log
+        mk(Float32, (heads, D), stride_order=(1, 0), assumed_align=16),  # dt_bias
+        mk(Int32, (n_plus_1,), assumed_align=4),  # cu_seqlens
+        mk(
+            Uint8,
+            (heads, slots, wl.RECORD_BYTES),
+            stride_order=(2, 1, 0),
+            assumed_align=16,
+        ),  # workspace
+        Float32(1.0),  # scale
+        Float32(-5.0),  # lower_bound
+        cute.runtime.make_fake_stream(),
+    )
+
+
+def compile_prepare(
+    inverse: str = "stable", arch: str = "sm_90a", *, keep_ptx: bool = False
+):
+    """cute.compile the prepare kernel for `arch` ("sm_90a" or "sm_100a"; always explicit)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    opts = [cute.GPUArch(arch), ExtraCompilerOpts(NVVM_FAST_MATH)]
+    if keep_ptx:
+        opts.append(cute.KeepPTX())
+    return cute.compile[tuple(opts)](KdaPrepare(inverse), *fake_args())

@@ -1,0 +1,470 @@
+"""KDA recurrence (SPEC.md "Kernel 2"), column split, state resident in registers.
+
+Task = (value-column slice, head, sequence), grid (128 / block_v, H, N); no communication
+between CTAs. Every warp owns CW = 8 * NT consecutive value columns and keeps its state slice
+S^T[128 (k), CW (v)] in registers for the whole sequence, bf16, in the m16n8k16 accumulator layout
+(mma_utils.py writes the fragment layouts out): for k-tile mt (16 k) and n-tile nt (8 columns),
+register state[mt, nt, 0] holds S^T[16mt + g][8nt + 2t, 2t+1] and state[mt, nt, 1] holds
+S^T[16mt + 8 + g][...]. movmatrix.trans of these two registers is exactly the B operand of k-block
+mt of the next chunk's kd . S^T / qd . S^T, so the state never goes through shared memory.
+
+Warps per CTA x columns per warp (warp_split): block_v 16 -> 2 x 8 (no idle half tiles);
+32 -> 4 x 8; 64 -> 4 x 16; 128 -> 8 x 16 (4 x 32 would spill on sm_100a). Each column's
+arithmetic (MMA k-block order, every rounding) is the same for every block_v, so out and the
+final state are bitwise independent of block_v.
+
+Software pipeline (iteration c of the chunk loop; P(c), Oq(c) were computed by iteration c - 1):
+  u(c), U(c) -> out(c) -> for k-tile mt = 0..7: state tile mt of chunk c, movmatrix, MMA k-block
+  mt of P(c+1) and Oq(c+1).
+so the next chunk's 8-deep P chain starts as soon as the first updated state tile exists, and the
+per-chunk barrier sits off the serial chain (warps reach it while their MMAs are in flight).
+
+Shared memory: a ring of STAGES stages, each holding the chunk's 13,824-byte workspace record
+(byte-exact copy, docs/kernel_abi.md), the chunk's v rows of this CTA's columns and its 16 beta
+values. All threads fill it with cp.async, LOOKAHEAD chunks ahead; one CTA barrier per chunk makes
+a stage visible and frees the stage being refilled. Outputs go from registers to global memory.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.cutlass_dsl import Constexpr
+from cutlass.memory import SmemAllocator
+
+from . import mma_utils as mu
+
+D = 128  # head dim: K = V = 128
+CHUNK = 16  # tokens per chunk
+RECORD_BYTES = 13824  # one workspace record per (head, chunk slot)
+OFF_KD, OFF_QD, OFF_KR, OFF_GT, OFF_INV, OFF_MQK = 0, 4096, 8192, 12288, 12800, 13312
+GRANULES = RECORD_BYTES // 16  # 16-byte cp.async copies per record
+STAGES = 5  # smem ring depth
+# Iteration c reads stages c and c+1 and refills the stage of chunk c + LOOKAHEAD (freed by c-1).
+LOOKAHEAD = STAGES - 1
+BLOCK_V_CHOICES = (16, 32, 64, 128)
+
+
+def stage_layout(block_v):
+    """(v offset, beta offset, stage bytes) of one ring stage: record | v [16, block_v] bf16 |
+    beta: 16 four-byte slots."""
+    v_off = RECORD_BYTES
+    beta_off = v_off + CHUNK * block_v * 2
+    stage_bytes = (beta_off + CHUNK * 4 + 127) // 128 * 128
+    return v_off, beta_off, stage_bytes
+
+
+# ---- lane index maps (plain integer arithmetic: used by the kernel on DSL Int32 values and by
+# the CPU fragment simulator in tests/ on numpy ints, so both run the same formulas) ----
+def ldmatrix_a_offset(lane, kb):
+    """Byte offset in a swizzled 16x128 tile of the row this lane addresses for the A operand
+    (rows x k) of k-block kb: matrix i = lane // 8 covers rows (i % 2) * 8.., k 16kb + (i // 2) * 8..
+    Swizzle (kernel_abi.md): granule c // 8 of row r is stored at granule (c // 8) ^ (r % 8)."""
+    row = ((lane // 8) % 2) * 8 + lane % 8
+    return row * 256 + ((2 * kb + (lane // 8) // 2) ^ (lane % 8)) * 16
+
+
+def ldmatrix_krt_offset(lane, mt):
+    """Same for kr^T (k x rows) of k-tile mt, read with ldmatrix.trans: matrix i = lane // 8
+    covers kr rows (i // 2) * 8.., k 16mt + (i % 2) * 8.. (its transpose is A's 8x8 block i)."""
+    row = ((lane // 8) // 2) * 8 + lane % 8
+    return row * 256 + ((2 * mt + (lane // 8) % 2) ^ (lane % 8)) * 16
+
+
+def ldmatrix_small_offset(lane):
+    """Byte offset for the A operand of a plain row-major 16x16 bf16 tile (INV, Mqk)."""
+    row = ((lane // 8) % 2) * 8 + lane % 8
+    return row * 32 + ((lane // 8) // 2) * 16
+
+
+def v_smem_offset(row, col, block_v):
+    """Byte offset of v[row, col] (col relative to the CTA's slice) in a stage's v tile."""
+    return (row * block_v + col) * 2
+
+
+def acc_row(lane, half):
+    """Row (0..15) of accumulator registers c[2*half], c[2*half+1] of this lane."""
+    return half * 8 + lane // 4
+
+
+def acc_col(lane):
+    """Column (0..7) of c[0] / c[2]; c[1] / c[3] are the next column."""
+    return 2 * (lane % 4)
+
+
+def state_reg(mt, nt, half, n_tiles):
+    """Index of the packed register holding S^T[16mt + acc_row(lane, half)][8nt + acc_col(lane)..+1]."""
+    return (mt * n_tiles + nt) * 2 + half
+
+
+def warp_split(block_v):
+    """(warps per CTA, 8-column n-tiles per warp) for a slice width.
+
+    16 -> 2 x 1 (no idle half tiles), 32 -> 4 x 1, 64 -> 4 x 2, 128 -> 8 x 2: four n-tiles per
+    warp need more than 255 registers on sm_100a (the pipelined loop keeps two chunks' P/Oq
+    accumulators next to the 64-register state), so 128 columns use eight warps.
+    """
+    if block_v not in BLOCK_V_CHOICES:
+        raise ValueError(f"block_v must be one of {BLOCK_V_CHOICES}, got {block_v}")
+    return {16: (2, 1), 32: (4, 1), 64: (4, 2), 128: (8, 2)}[block_v]
+
+
+class KdaRecurrence:
+    def __init__(self, block_v: int = 32):
+        self.block_v = block_v
+        self.num_warps, self.n_tiles = warp_split(block_v)
+        self.num_threads = 32 * self.num_warps
+        self.v_off, self.beta_off, self.stage_bytes = stage_layout(block_v)
+
+    @cute.jit
+    def __call__(
+        self,
+        mV: cute.Tensor,  # bf16 [T_total, H, 128]
+        mBeta: cute.Tensor,  # bf16 [T_total, H]
+        mWorkspace: cute.Tensor,  # uint8 [H, S, 13824]
+        mCuSeqlens: cute.Tensor,  # int32 [N + 1]
+        mState0: cute.Tensor,  # bf16 [N, H, 128, 128] (n, h, v, k)
+        mOut: cute.Tensor,  # bf16 [T_total, H, 128]
+        mStateT: cute.Tensor,  # bf16 [N, H, 128, 128]
+        stream: cuda.CUstream,
+    ):
+        num_heads = mV.shape[1]
+        num_seqs = mCuSeqlens.shape[0] - 1
+        self.kernel(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT).launch(
+            grid=[D // self.block_v, num_heads, num_seqs],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mState0: cute.Tensor,
+        mOut: cute.Tensor,
+        mStateT: cute.Tensor,
+    ):
+        NT: Constexpr = self.n_tiles
+        BV: Constexpr = self.block_v
+        V_OFF: Constexpr = self.v_off
+        BETA_OFF: Constexpr = self.beta_off
+        STAGE_BYTES: Constexpr = self.stage_bytes
+        tid, _, _ = cute.arch.thread_idx()
+        slice_idx, head, seq = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        t2 = acc_col(lane)
+
+        t_total = mV.shape[0]
+        num_heads = mV.shape[1]
+        num_slots = mWorkspace.shape[1]
+
+        # Sequence bounds, clamped so that malformed cu_seqlens never index out of bounds.
+        bos = cutlass.min(cutlass.max(mCuSeqlens[seq], Int32(0)), t_total)
+        eos = cutlass.min(cutlass.max(mCuSeqlens[seq + 1], bos), t_total)
+        num_chunks = (eos - bos + (CHUNK - 1)) // CHUNK
+        last_chunk = num_chunks - 1
+        slot0 = bos // CHUNK + seq
+
+        col_cta = slice_idx * BV  # first value column of this CTA
+        col_w = warp * (8 * NT)  # first column of this warp, relative to col_cta
+
+        # Raw addresses (compact row-major tensors, docs/kernel_abi.md).
+        src = _Sources(
+            ws_head=mWorkspace.iterator.toint()
+            + Int64(head) * Int64(num_slots) * RECORD_BYTES,
+            slot0=slot0,
+            v_col0=mV.iterator.toint() + Int64(col_cta) * 2,
+            beta_base=mBeta.iterator.toint(),
+            num_heads=num_heads,
+            head=head,
+            bos=bos,
+            eos=eos,
+            beta_elems=t_total * num_heads,
+            tid=tid,
+            nthreads=self.num_threads,
+            block_v=BV,
+            v_off=V_OFF,
+            beta_off=BETA_OFF,
+        )
+        out_base = mOut.iterator.toint()
+        state_off = (Int64(seq) * Int64(num_heads) + Int64(head)) * (D * D)
+        s0_base = mState0.iterator.toint() + state_off * 2
+        sT_base = mStateT.iterator.toint() + state_off * 2
+
+        ring = (
+            SmemAllocator().allocate(STAGES * STAGE_BYTES, byte_alignment=128).toint()
+        )
+        small_off = ldmatrix_small_offset(lane)
+
+        # ---- initial state -> registers, accumulator layout (16-bit loads, once) ----
+        state = cute.make_rmem_tensor(cute.make_layout(8 * NT * 2), Int32)
+        for mt in cutlass.range_constexpr(8):
+            for nt in cutlass.range_constexpr(NT):
+                for half in cutlass.range_constexpr(2):
+                    k = mt * 16 + acc_row(lane, half)
+                    j = col_cta + col_w + nt * 8 + t2
+                    addr = s0_base + (Int64(j) * D + Int64(k)) * 2  # state[n, h, j, k]
+                    lo = mu.ld_global_u16(addr)
+                    hi = mu.ld_global_u16(addr + D * 2)  # column j + 1
+                    state[state_reg(mt, nt, half, NT)] = lo | (hi << 16)
+
+        # P(c) and Oq(c) f32 accumulators, carried from iteration c - 1 (or the prologue). They
+        # are rounded only where used, after the next barrier: packing them before the loop
+        # back-edge would make every warp wait for its MMA chain before the barrier.
+        p_acc = cute.make_rmem_tensor(cute.make_layout(4 * NT), Float32)
+        o_acc = cute.make_rmem_tensor(cute.make_layout(4 * NT), Float32)
+        zero_f = Float32(0.0)
+
+        if num_chunks > 0:
+            for s in cutlass.range_constexpr(LOOKAHEAD):
+                _load_stage(
+                    src, cutlass.min(Int32(s), last_chunk), ring + s * STAGE_BYTES
+                )
+                mu.cp_async_commit()
+            mu.cp_async_wait(LOOKAHEAD - 1)  # chunk 0 has landed (this thread's copies)
+            mu.cta_barrier()  # ... and everybody's
+            p0 = [[zero_f] * 4 for _ in range(NT)]
+            o0 = [[zero_f] * 4 for _ in range(NT)]
+            for kb in cutlass.range_constexpr(8):
+                a_off = ldmatrix_a_offset(lane, kb)
+                a_kd = mu.ldmatrix_x4(ring + OFF_KD + a_off)
+                a_qd = mu.ldmatrix_x4(ring + OFF_QD + a_off)
+                for nt in cutlass.range_constexpr(NT):
+                    b = (
+                        mu.movmatrix_trans(state[state_reg(kb, nt, 0, NT)]),
+                        mu.movmatrix_trans(state[state_reg(kb, nt, 1, NT)]),
+                    )
+                    p0[nt] = mu.mma_bf16_16816(a_kd, b, p0[nt])
+                    o0[nt] = mu.mma_bf16_16816(a_qd, b, o0[nt])
+            for nt in cutlass.range_constexpr(NT):
+                for i in cutlass.range_constexpr(4):
+                    p_acc[nt * 4 + i] = p0[nt][i]
+                    o_acc[nt * 4 + i] = o0[nt][i]
+
+        for c in range(num_chunks):
+            # Chunk c+1 visible to all; the stage of chunk c-1 is free: refill it.
+            mu.cp_async_wait(LOOKAHEAD - 2)
+            mu.cta_barrier()
+            _load_stage(
+                src,
+                cutlass.min(c + LOOKAHEAD, last_chunk),
+                ring + ((c + LOOKAHEAD) % STAGES) * STAGE_BYTES,
+            )
+            mu.cp_async_commit()
+            cur = ring + (c % STAGES) * STAGE_BYTES
+            nxt = ring + ((c + 1) % STAGES) * STAGE_BYTES
+            row_tok0 = bos + c * CHUNK
+
+            # Chunk c's operands (none depends on the serial chain).
+            a_inv = mu.ldmatrix_x4(cur + OFF_INV + small_off)
+            a_mqk = mu.ldmatrix_x4(cur + OFF_MQK + small_off)
+            b_row = []
+            for half in cutlass.range_constexpr(2):
+                r = acc_row(lane, half)
+                b_row.append(
+                    mu.sigmoid_bf16x2_from_logit(_beta_bits(src, cur, row_tok0, r))
+                )
+
+            # u = bf16(bf16(v - P) * bf16(b)) (rows past the end: exactly 0); U = bf16(INV . u).
+            ub = []
+            for nt in cutlass.range_constexpr(NT):
+                u = []
+                for half in cutlass.range_constexpr(2):
+                    r = acc_row(lane, half)
+                    v = mu.ld_shared_b32(
+                        cur + V_OFF + v_smem_offset(r, col_w + nt * 8 + t2, BV)
+                    )
+                    p = mu.pack_bf16x2(
+                        p_acc[nt * 4 + 2 * half], p_acc[nt * 4 + 2 * half + 1]
+                    )
+                    uu = mu.mul_bf16x2(mu.sub_bf16x2(v, p), b_row[half])
+                    u.append(mu.select_lt(row_tok0 + r, eos, uu, Int32(0)))
+                u_acc = mu.mma_bf16_16816(
+                    a_inv,
+                    (mu.movmatrix_trans(u[0]), mu.movmatrix_trans(u[1])),
+                    [zero_f] * 4,
+                )
+                big_u0 = mu.pack_bf16x2(u_acc[0], u_acc[1])
+                big_u1 = mu.pack_bf16x2(u_acc[2], u_acc[3])
+                ub.append((mu.movmatrix_trans(big_u0), mu.movmatrix_trans(big_u1)))
+
+            # out = bf16(Oq + bf16(Mqk . U)), valid rows only, registers -> global.
+            for nt in cutlass.range_constexpr(NT):
+                m_acc = mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4)
+                for half in cutlass.range_constexpr(2):
+                    mq = mu.pack_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
+                    tok = row_tok0 + acc_row(lane, half)
+                    col = col_cta + col_w + nt * 8 + t2
+                    addr = (
+                        out_base
+                        + (
+                            (Int64(tok) * Int64(num_heads) + Int64(head)) * D
+                            + Int64(col)
+                        )
+                        * 2
+                    )
+                    oq = mu.pack_bf16x2(
+                        o_acc[nt * 4 + 2 * half], o_acc[nt * 4 + 2 * half + 1]
+                    )
+                    mu.st_global_b32_if(addr, mu.add_bf16x2(oq, mq), tok, eos)
+
+            # S[j, k] = bf16(fmaf(f32(S[j, k]), gt[k], (kr^T . U)[k, j])), k-tile by k-tile, each
+            # tile feeding k-block mt of the next chunk's P and Oq at once. On the last chunk
+            # the next-chunk products read a duplicate of the last record and are discarded.
+            p1 = [[zero_f] * 4 for _ in range(NT)]
+            o1 = [[zero_f] * 4 for _ in range(NT)]
+            for mt in cutlass.range_constexpr(8):
+                a_krt = mu.ldmatrix_x4_trans(
+                    cur + OFF_KR + ldmatrix_krt_offset(lane, mt)
+                )
+                gt_lo = mu.ld_shared_f32(
+                    cur + OFF_GT + (mt * 16 + acc_row(lane, 0)) * 4
+                )
+                gt_hi = mu.ld_shared_f32(
+                    cur + OFF_GT + (mt * 16 + acc_row(lane, 1)) * 4
+                )
+                a_off = ldmatrix_a_offset(lane, mt)
+                a_kd = mu.ldmatrix_x4(nxt + OFF_KD + a_off)
+                a_qd = mu.ldmatrix_x4(nxt + OFF_QD + a_off)
+                for nt in cutlass.range_constexpr(NT):
+                    w = mu.mma_bf16_16816(a_krt, ub[nt], [zero_f] * 4)
+                    i0 = state_reg(mt, nt, 0, NT)
+                    i1 = state_reg(mt, nt, 1, NT)
+                    s_lo = state[i0]
+                    s_hi = state[i1]
+                    n_lo = mu.pack_bf16x2(
+                        mu.fma_ftz(mu.bf16_lo_to_f32(s_lo), gt_lo, w[0]),
+                        mu.fma_ftz(mu.bf16_hi_to_f32(s_lo), gt_lo, w[1]),
+                    )
+                    n_hi = mu.pack_bf16x2(
+                        mu.fma_ftz(mu.bf16_lo_to_f32(s_hi), gt_hi, w[2]),
+                        mu.fma_ftz(mu.bf16_hi_to_f32(s_hi), gt_hi, w[3]),
+                    )
+                    state[i0] = n_lo
+                    state[i1] = n_hi
+                    b = (mu.movmatrix_trans(n_lo), mu.movmatrix_trans(n_hi))
+                    p1[nt] = mu.mma_bf16_16816(a_kd, b, p1[nt])
+                    o1[nt] = mu.mma_bf16_16816(a_qd, b, o1[nt])
+            for nt in cutlass.range_constexpr(NT):
+                for i in cutlass.range_constexpr(4):
+                    p_acc[nt * 4 + i] = p1[nt][i]
+                    o_acc[nt * 4 + i] = o1[nt][i]
+
+        mu.cp_async_wait(0)  # no copy may still target this CTA's shared memory at exit
+
+        # ---- final state (also for zero-length sequences: the initial state) ----
+        for mt in cutlass.range_constexpr(8):
+            for nt in cutlass.range_constexpr(NT):
+                for half in cutlass.range_constexpr(2):
+                    k = mt * 16 + acc_row(lane, half)
+                    j = col_cta + col_w + nt * 8 + t2
+                    addr = sT_base + (Int64(j) * D + Int64(k)) * 2
+                    s = state[state_reg(mt, nt, half, NT)]
+                    mu.st_global_u16(addr, s)
+                    mu.st_global_u16(addr + D * 2, s >> 16)
+
+
+class _Sources:
+    """Per-CTA constants of the stage loader (a plain bag of trace-time values)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _load_stage(src, chunk, stage):
+    """All threads: cp.async of one chunk's record, v rows (this CTA's columns) and beta values
+    into the ring stage at shared address `stage`. Nothing past the sequence end is read."""
+    rec = src.ws_head + Int64(src.slot0 + chunk) * RECORD_BYTES
+    n = src.nthreads
+    for i in range((GRANULES + n - 1) // n):
+        gi = src.tid + i * n
+        mu.cp_async_16_if(stage + gi * 16, rec + Int64(gi) * 16, gi, Int32(GRANULES))
+    row_tok0 = src.bos + chunk * CHUNK
+    per_row = src.block_v // 8  # 16-byte granules per v row of the slice
+    for i in range((CHUNK * per_row + n - 1) // n):
+        gi = src.tid + i * n
+        row = gi // per_row
+        tok = row_tok0 + row
+        gaddr = (
+            src.v_col0
+            + (
+                (Int64(tok) * Int64(src.num_heads) + Int64(src.head)) * D
+                + Int64(gi % per_row) * 8
+            )
+            * 2
+        )
+        # rows past the sequence end, and threads past the last granule (row >= 16), copy nothing
+        limit = cutlass.min(src.eos, row_tok0 + CHUNK)
+        mu.cp_async_16_if(stage + src.v_off + gi * 16, gaddr, tok, limit)
+    if n >= CHUNK:
+        tok = row_tok0 + src.tid
+        elem = tok * src.num_heads + src.head
+        elem_addr = src.beta_base + Int64(elem) * 2
+        # the aligned word holding the element stays inside the array unless the element is the
+        # array's last one and starts a word
+        async_ok = mu.select_lt(
+            elem + 1, src.beta_elems, Int32(1), Int32(elem_addr) & 2
+        )
+        limit = cutlass.min(src.eos, row_tok0 + CHUNK)
+        # threads tid >= 16 have tok >= row_tok0 + 16 >= limit: no copy
+        mu.beta_to_shared_if(
+            stage + src.beta_off + src.tid * 4, elem_addr, async_ok, tok, limit
+        )
+
+
+def _beta_bits(src, stage, row_tok0, r):
+    """The raw bf16 beta logit of chunk row r from the stage (low 16 bits of an Int32)."""
+    elem = (row_tok0 + r) * src.num_heads + src.head
+    byte = Int32(src.beta_base + Int64(elem) * 2) & 2
+    return mu.ld_shared_u16(stage + src.beta_off + r * 4 + byte)
+
+
+def fake_args(block_v: int = 32):
+    """Fake tensors (dynamic T_total, H, N, S) + a fake stream for cute.compile / export."""
+    from cutlass import BFloat16, Uint8
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    t_total = cute.sym_int32(symbol="T_total")
+    heads = cute.sym_int32(symbol="H")
+    seqs_plus_1 = cute.sym_int32(symbol="N_plus_1")
+    seqs = cute.sym_int32(symbol="N")
+    slots = cute.sym_int32(symbol="S")
+
+    def row_major(dtype, shape, align):
+        order = tuple(range(len(shape) - 1, -1, -1))
+        return make_fake_compact_tensor(
+            dtype, shape, stride_order=order, assumed_align=align
+        )
+
+    return (
+        row_major(BFloat16, (t_total, heads, D), 16),  # v
+        row_major(BFloat16, (t_total, heads), 2),  # beta
+        row_major(Uint8, (heads, slots, RECORD_BYTES), 16),  # workspace
+        row_major(Int32, (seqs_plus_1,), 4),  # cu_seqlens
+        row_major(BFloat16, (seqs, heads, D, D), 16),  # initial state
+        row_major(BFloat16, (t_total, heads, D), 16),  # out
+        row_major(BFloat16, (seqs, heads, D, D), 16),  # final state
+        make_fake_stream(),
+    )
+
+
+NVVM_FAST_MATH = "nvvm-options='-ftz=1 -prec-div=0 -prec-sqrt=0 -fma=1'"
+
+
+def compile_recurrence(
+    block_v: int = 32, arch: str = "sm_90a", dump_dir: str | None = None
+):
+    """cute.compile for a NAMED arch ("sm_90a" | "sm_100a"; the DSL silently targets sm_100a
+    otherwise) with FlashKDA's fast-math nvvm options. With dump_dir, the PTX and cubin are also
+    kept (files in dump_dir, and `__ptx__` / `__cubin__` on the result)."""
+    from cutlass.base_dsl.compiler import DumpDir, ExtraCompilerOpts
+
+    if arch not in ("sm_90a", "sm_100a"):
+        raise ValueError(f"arch must be sm_90a or sm_100a, got {arch}")
+    opts = [cute.GPUArch(arch), ExtraCompilerOpts(NVVM_FAST_MATH)]
+    if dump_dir is not None:
+        opts += [DumpDir(dump_dir), cute.KeepPTX(), cute.KeepCUBIN()]
+    return cute.compile[tuple(opts)](KdaRecurrence(block_v), *fake_args(block_v))

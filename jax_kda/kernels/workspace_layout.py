@@ -1,0 +1,111 @@
+"""Byte layout of one prepare-workspace record (docs/kernel_abi.md), in numpy.
+
+Pure numpy (no cutlass import): the kernels import the offsets from here, and
+tests / GPU checks use encode/decode to read a workspace produced on the GPU
+and compare it with the reference's prepare output.
+
+Record (13,824 bytes, one per (head, slot)):
+  0     kd   bf16 [16, 128] swizzled rows
+  4096  qd   bf16 [16, 128] swizzled rows
+  8192  kr   bf16 [16, 128] swizzled rows
+  12288 gt   f32  [128]
+  12800 INV  bf16 [16, 16] row-major
+  13312 Mqk  bf16 [16, 16] row-major
+Swizzled rows: element (r, c) at element offset r*128 + ((c//8) ^ (r%8))*8 + c%8.
+bf16 arrays are handled as their uint16 bit patterns (numpy has no bfloat16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CHUNK = 16
+D = 128
+KD_OFFSET = 0
+QD_OFFSET = 4096
+KR_OFFSET = 8192
+GT_OFFSET = 12288
+INV_OFFSET = 12800
+MQK_OFFSET = 13312
+RECORD_BYTES = 13824
+
+_TILES = {"kd": KD_OFFSET, "qd": QD_OFFSET, "kr": KR_OFFSET}
+_SMALL = {"inv": INV_OFFSET, "mqk": MQK_OFFSET}
+
+
+def swizzle_index() -> np.ndarray:
+    """int [16, 128]: element offset of logical (r, c) inside a swizzled tile."""
+    r = np.arange(CHUNK)[:, None]
+    c = np.arange(D)[None, :]
+    return r * D + (((c // 8) ^ (r % 8)) * 8) + c % 8
+
+
+def decode_records(records: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 [..., 13824] -> dict of arrays with the leading dims kept.
+
+    kd, qd, kr: uint16 bf16 bits [..., 16, 128] (logical order, unswizzled);
+    gt: float32 [..., 128]; inv, mqk: uint16 bf16 bits [..., 16, 16].
+    """
+    records = np.ascontiguousarray(records, dtype=np.uint8)
+    if records.shape[-1] != RECORD_BYTES:
+        raise ValueError(f"last dim must be {RECORD_BYTES} bytes, got {records.shape}")
+    lead = records.shape[:-1]
+    out: dict[str, np.ndarray] = {}
+    idx = swizzle_index()
+    for name, off in _TILES.items():
+        flat = records[..., off : off + CHUNK * D * 2].view(np.uint16)
+        out[name] = np.ascontiguousarray(flat[..., idx])
+    gt = records[..., GT_OFFSET : GT_OFFSET + D * 4].view(np.float32)
+    out["gt"] = np.ascontiguousarray(gt).reshape(*lead, D)
+    for name, off in _SMALL.items():
+        blk = records[..., off : off + CHUNK * CHUNK * 2].view(np.uint16)
+        out[name] = np.ascontiguousarray(blk).reshape(*lead, CHUNK, CHUNK)
+    return out
+
+
+def encode_records(fields: dict[str, np.ndarray]) -> np.ndarray:
+    """Inverse of decode_records (bytes not covered by a field stay zero: there are none)."""
+    lead = np.asarray(fields["gt"]).shape[:-1]
+    rec = np.zeros((*lead, RECORD_BYTES), np.uint8)
+    idx = swizzle_index()
+    for name, off in _TILES.items():
+        tile = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK, D)
+        flat = np.zeros((*lead, CHUNK * D), np.uint16)
+        flat[..., idx] = tile
+        rec[..., off : off + CHUNK * D * 2] = flat.view(np.uint8)
+    rec[..., GT_OFFSET : GT_OFFSET + D * 4] = (
+        np.asarray(fields["gt"], np.float32).reshape(*lead, D).view(np.uint8)
+    )
+    for name, off in _SMALL.items():
+        blk = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK * CHUNK)
+        rec[..., off : off + CHUNK * CHUNK * 2] = blk.view(np.uint8)
+    return rec
+
+
+def chunk_slots(cu_seqlens: np.ndarray) -> list[tuple[int, int, int]]:
+    """(sequence, chunk, slot) for every chunk: slot = cu[n] // 16 + n + j."""
+    cu = np.asarray(cu_seqlens, np.int64)
+    out = []
+    for n in range(len(cu) - 1):
+        length = max(int(cu[n + 1] - cu[n]), 0)
+        for j in range((length + CHUNK - 1) // CHUNK):
+            out.append((n, j, int(cu[n]) // CHUNK + n + j))
+    return out
+
+
+def num_slots(t_total: int, n_seqs: int) -> int:
+    """S = ceil(T_total / 16) + N (the workspace's second dimension)."""
+    return -(-t_total // CHUNK) + n_seqs
+
+
+def decode_workspace(ws: np.ndarray, cu_seqlens: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 [H, S, 13824] -> per-chunk arrays [H, num_chunks, ...] in (sequence, chunk) order.
+
+    Also returns "seq" and "chunk" (int [num_chunks]) naming each chunk.
+    """
+    slots = chunk_slots(cu_seqlens)
+    idx = np.array([s for _, _, s in slots], np.int64)
+    out = decode_records(np.asarray(ws)[:, idx])
+    out["seq"] = np.array([n for n, _, _ in slots], np.int64)
+    out["chunk"] = np.array([j for _, j, _ in slots], np.int64)
+    return out

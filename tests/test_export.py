@@ -1,0 +1,110 @@
+"""jax.export of a function calling kda_prefill: custom calls allowed via the package's list."""
+
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export as jax_export
+
+import jax_kda
+from jax_kda import _ffi
+
+B, T, H = 2, 19, 2
+
+
+def make_args(seed=0, t=T, h=H):
+    rng = np.random.default_rng(seed)
+
+    def bf16(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    return (bf16(B, t, h, 128), bf16(B, t, h, 128), bf16(B, t, h, 128), bf16(B, t, h, 128),
+            bf16(B, t, h), jnp.asarray(rng.uniform(-1.5, 1.0, h), jnp.float32),
+            jnp.asarray(rng.standard_normal((h, 128)), jnp.float32),
+            jnp.asarray(rng.standard_normal((B, h, 128, 128)), jnp.float32))
+
+
+def model(q, k, v, g, beta, A_log, dt_bias, state, backend="auto"):
+    out, final_state = jax_kda.kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
+                                          output_final_state=True, backend=backend)
+    return out.astype(jnp.float32) * 2.0, final_state  # some surrounding model code
+
+
+@pytest.fixture
+def cuda_path_lowerable(monkeypatch):
+    """backend="auto" emits the CUDA branch only when the FFI library is present; lowering the
+    branch needs no library, so on a machine without a build pretend it is there."""
+    if not _ffi.kernels_available():
+        monkeypatch.setattr(_ffi, "kernels_available", lambda: True)
+
+
+def kda_targets(text):
+    return sorted(set(re.findall(r"custom_call @(jax_kda_\w+)\(", text)))
+
+
+def test_targets_match_the_ffi_layer():
+    assert set(jax_kda.export.CUSTOM_CALL_TARGETS) == {_ffi.PREPARE_TARGET, _ffi.RECURRENCE_TARGET}
+    checks = jax_kda.disabled_safety_checks()
+    assert checks == [jax_export.DisabledSafetyCheck.custom_call(t)
+                      for t in jax_kda.export.CUSTOM_CALL_TARGETS]
+
+
+def test_export_without_the_list_is_refused(cuda_path_lowerable):
+    args = make_args()
+    with pytest.raises(ValueError, match="jax_kda_prepare_v1|custom call"):
+        jax_export.export(jax.jit(model), platforms=("cuda",))(*args)
+
+
+def test_cuda_cpu_export_roundtrip_runs_the_cpu_part(cuda_path_lowerable):
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+    args = make_args(seed=1)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    exported = jax_kda.export.export(jax.jit(model), platforms=("cuda", "cpu"))(*avals)
+    assert exported.platforms == ("cuda", "cpu")
+    assert kda_targets(exported.mlir_module()) == ["jax_kda_prepare_v1", "jax_kda_recurrence_v1"]
+
+    restored = jax_export.deserialize(exported.serialize())
+    assert restored.platforms == ("cuda", "cpu")
+    got = restored.call(*args)
+    want = jax.jit(partial(model, backend="reference"))(*args)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_plain_jax_export_accepts_the_public_list(cuda_path_lowerable):
+    args = make_args(seed=2)
+    exported = jax_export.export(jax.jit(model), platforms=("cuda",),
+                                 disabled_checks=jax_kda.disabled_safety_checks())(*args)
+    assert kda_targets(exported.mlir_module()) == ["jax_kda_prepare_v1", "jax_kda_recurrence_v1"]
+
+
+def test_cpu_only_export_needs_no_disabled_checks():
+    """Exported for CPU alone, backend="auto" holds only the reference: nothing to allow."""
+    args = make_args(seed=3)
+    exported = jax_export.export(jax.jit(model), platforms=("cpu",))(*args)
+    assert kda_targets(exported.mlir_module()) == []
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_runs_a_deserialized_export():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus or not _ffi.kernels_available():
+        pytest.skip("needs a CUDA GPU and the built kernels")
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+    args = jax.device_put(make_args(seed=4, t=300, h=6), gpus[0])
+    exported = jax_kda.export.export(jax.jit(model), platforms=("cuda", "cpu"))(*args)
+    restored = jax_export.deserialize(exported.serialize())
+    got = jax.jit(restored.call)(*args)
+    want = jax.jit(partial(model, backend="kernel"))(*args)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -1,0 +1,238 @@
+"""CPU checks of the prepare kernel: it compiles for sm_90a and sm_100a (both
+inverse variants) and its PTX/SASS hold the instructions SPEC.md's rounding
+relies on, with no local memory. Needs nvidia-cutlass-dsl (build time only);
+SASS checks also need cuobjdump (nvidia-cuda-cuobjdump wheel or a CUDA
+toolkit), and are skipped without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+cutlass = pytest.importorskip("cutlass")
+cute = pytest.importorskip("cutlass.cute")
+
+from jax_kda.kernels import prepare
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for root in sys.path:
+        cand = Path(root) / "nvidia" / "cu13" / "bin" / "cuobjdump"
+        if cand.is_file():
+            return str(cand)
+    return None
+
+
+_BUILD_SCRIPT = """
+import sys
+import cutlass.cute as cute
+from cutlass.base_dsl.compiler import ExtraCompilerOpts
+from jax_kda.kernels import prepare
+out = sys.argv[1]
+for inverse in prepare.INVERSES:
+    for arch in prepare.ARCHS:
+        c = cute.compile[cute.GPUArch(arch), ExtraCompilerOpts(prepare.NVVM_FAST_MATH),
+                         cute.KeepPTX(), cute.KeepCUBIN()](prepare.KdaPrepare(inverse),
+                                                            *prepare.fake_args())
+        open(f"{out}/{inverse}_{arch}.ptx", "w").write(c.__ptx__)
+        open(f"{out}/{inverse}_{arch}.cubin", "wb").write(c.__cubin__)
+"""
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """{(inverse, arch): (ptx text, cubin bytes)} for the four specialisations.
+
+    Built in a child process: the DSL fixes its artifact dump directory (the
+    working directory) at import, so this keeps the dumps out of the checkout.
+    """
+    dump = tmp_path_factory.mktemp("prepare_dump")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(
+        os.environ,
+        CUTE_DSL_DUMP_DIR=str(dump),
+        PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    )
+    subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT, str(dump)],
+        cwd=dump,
+        env=env,
+        check=True,
+        timeout=600,
+    )
+    out = {}
+    for inverse in prepare.INVERSES:
+        for arch in prepare.ARCHS:
+            stem = dump / f"{inverse}_{arch}"
+            out[(inverse, arch)] = (
+                stem.with_suffix(".ptx").read_text(),
+                stem.with_suffix(".cubin").read_bytes(),
+            )
+    return out
+
+
+KEYS = [(i, a) for i in prepare.INVERSES for a in prepare.ARCHS]
+
+
+@pytest.mark.parametrize("inverse,arch", KEYS)
+def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, inverse, arch):
+    ptx, _ = builds[(inverse, arch)]
+    assert f".target {arch}" in ptx
+    body = ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in body
+    if inverse == "neumann":
+        assert "mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16" in body
+        assert "mul.rn.f16" in body and "add.rn.f16" in body
+    else:
+        assert ".f16.f16.f16.f16" not in body
+    for instr in (
+        "ex2.approx.ftz.f32",
+        "tanh.approx.f32",
+        "rsqrt.approx.ftz.f32",
+        "mul.rn.bf16",
+        "shfl.sync.bfly",
+        "cvt.rn.bf16.f32",
+    ):
+        assert instr in body, instr
+    # bf16 -> f32 must be a bit shift: a cvt would flush subnormals under -ftz
+    assert "cvt.f32.bf16" not in body
+    # f16 math must not flush (FlashKDA's half ops keep subnormals)
+    assert not re.search(r"\b(add|mul|fma|sub)\.(rn\.)?ftz\.f16", body)
+    # every non-approx f32 add/mul/fma is the fast-math .ftz form
+    assert not re.search(r"\b(add|mul|fma)(\.rn)?\.f32\b", body)
+    # 16-byte global accesses (q/k/g loads, record stores)
+    assert "ld.global.v4" in body and "st.global.v4" in body
+
+
+@pytest.mark.parametrize("inverse,arch", KEYS)
+def test_no_local_memory_in_ptx(builds, inverse, arch):
+    ptx, _ = builds[(inverse, arch)]
+    assert not re.search(r"\b(ld|st)\.local\b", ptx)
+    assert ".local" not in ptx
+
+
+def test_variants_compile_to_different_code(builds):
+    assert builds[("stable", "sm_90a")][0] != builds[("neumann", "sm_90a")][0]
+
+
+@pytest.mark.parametrize("inverse,arch", KEYS)
+def test_sass(builds, inverse, arch, tmp_path):
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    _, cubin = builds[(inverse, arch)]
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    path = tmp_path / "prepare.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run(
+        [tool, "-sass", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    res = subprocess.run(
+        [tool, "-res-usage", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "HMMA.16816.F32.BF16" in sass
+    if inverse == "neumann":
+        assert "HMMA.16816.F16" in sass
+    for op in ("MUFU.EX2", "MUFU.TANH", "MUFU.RSQ", "SHFL.BFLY"):
+        assert op in sass, op
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    assert re.search(r"LOCAL:0\b", res), res
+    assert re.search(r"STACK:0\b", res), res
+
+
+def test_export_to_c_without_gpu(tmp_path):
+    """compiled.export_to_c works here (no GPU) once the DSL runtime libs are loaded."""
+    from cutlass.cute.export import aot_config
+
+    for lib in aot_config.get_lib_paths():
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    compiled = prepare.compile_prepare("stable", "sm_90a")
+    compiled.export_to_c(str(tmp_path), "kda_prepare_test", "kda_prepare_test")
+    header = (tmp_path / "kda_prepare_test.h").read_text()
+    assert (tmp_path / "kda_prepare_test.o").stat().st_size > 0
+    sig = re.search(r"int32_t cute_dsl_kda_prepare_test_wrapper\(([^)]*)\)", header)
+    assert sig, "wrapper prototype missing"
+    params = [p.strip() for p in sig.group(1).split(",")]
+    names = [p.split()[-1].lstrip("*") for p in params]
+    assert names == [
+        "module",
+        "mQ",
+        "mK",
+        "mG",
+        "mBeta",
+        "mALog",
+        "mDtBias",
+        "mCuSeqlens",
+        "mWorkspace",
+        "scale",
+        "lower_bound",
+        "stream",
+    ]
+
+
+def test_compile_prepare_rejects_unknown_names():
+    with pytest.raises(ValueError):
+        prepare.compile_prepare("stable", "sm_80")
+    with pytest.raises(ValueError):
+        prepare.KdaPrepare("exact")
+
+
+@pytest.mark.filterwarnings("ignore:This static loop")
+def test_swizzled_smem_layout_is_the_abi_formula():
+    """The kernel's (16, 128) swizzled tile layout equals docs/kernel_abi.md's formula,
+    evaluated by CuTe's own layout algebra at trace time."""
+    import numpy as np
+
+    from jax_kda.kernels import workspace_layout as wl
+
+    got = np.full((16, 128), -1, np.int64)
+
+    @cute.jit
+    def trace():
+        lay = prepare._swizzled_tile_layout()
+        for r in cutlass.range_constexpr(16):
+            for c in cutlass.range_constexpr(128):
+                got[r, c] = cute.crd2idx((r, c), lay)
+
+    cute.compile[cute.GPUArch("sm_90a")](trace)
+    np.testing.assert_array_equal(got, wl.swizzle_index())
+
+
+def test_accumulator_coordinates_are_row_col():
+    """The kernel reads (r, c) of each accumulator element from partition_C of an identity
+    tensor; for m16n8k16 x 2 (16x16) lane l owns rows l//4, l//4+8 and columns 2(l%4)+{0,1}
+    (+8): the PTX fragment layout."""
+    seen = {}
+
+    @cute.jit
+    def trace():
+        tiled = prepare._tiled_mma_bf16()
+        for lane in cutlass.range_constexpr(32):
+            coords = tiled.get_slice(lane).partition_C(
+                cute.make_identity_tensor((16, 16))
+            )
+            seen[lane] = sorted(
+                tuple(int(x) for x in coords[i]) for i in range(cute.size(coords))
+            )
+
+    cute.compile[cute.GPUArch("sm_90a")](trace)
+    for lane, got in seen.items():
+        rows = (lane // 4, lane // 4 + 8)
+        cols = (
+            2 * (lane % 4),
+            2 * (lane % 4) + 1,
+            2 * (lane % 4) + 8,
+            2 * (lane % 4) + 9,
+        )
+        assert got == sorted((r, c) for r in rows for c in cols), lane

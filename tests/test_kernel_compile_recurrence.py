@@ -1,0 +1,533 @@
+"""CPU checks of the column-split recurrence kernel (jax_kda/kernels/recurrence.py).
+
+1. A numpy warp simulator: the PTX ISA semantics of ldmatrix / movmatrix / mma.m16n8k16 are
+   written out here independently; the kernel's own lane index maps (imported from the kernel
+   module) drive them through several chunks of SPEC kernel 2 in the kernel's software-pipelined
+   order (P(c+1) built k-tile by k-tile from the freshly updated state registers), for every warp
+   of every block_v, and the result must equal the plain matrix formulas. This catches
+   fragment-layout and column-ownership bugs without a GPU (no rounding is simulated: a layout
+   bug gives O(1) errors, so float64 is enough).
+2. Compilation for sm_90a (every block_v) and sm_100a: the PTX holds the expected number of
+   mma.sync m16n8k16 bf16 and movmatrix instructions, the cubin has no local memory (no spills),
+   SASS (when cuobjdump is available) has HMMA.16816.F32.BF16 and MOVM, compile time is small;
+   export_to_c works without a GPU.
+"""
+
+import os
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cutlass")
+rec = pytest.importorskip("jax_kda.kernels.recurrence")
+
+LANES = np.arange(32)
+
+
+# ------------------------------------------------------------------------------------------
+# PTX ISA fragment semantics (independent of the kernel code)
+# ------------------------------------------------------------------------------------------
+def frag_of(x):
+    """8x8 matrix -> (32, 2): lane l holds x[l // 4][2(l % 4)], x[l // 4][2(l % 4) + 1]."""
+    return np.stack(
+        [x[LANES // 4, 2 * (LANES % 4)], x[LANES // 4, 2 * (LANES % 4) + 1]], axis=1
+    )
+
+
+def mat_of(frag):
+    x = np.zeros((8, 8))
+    x[LANES // 4, 2 * (LANES % 4)] = frag[:, 0]
+    x[LANES // 4, 2 * (LANES % 4) + 1] = frag[:, 1]
+    return x
+
+
+def movmatrix_trans(frag):
+    return frag_of(mat_of(frag).T)
+
+
+def ldmatrix_x4(mem, addrs, trans=False):
+    """mem: float64 array of 16-bit elements (index = byte address // 2); addrs: (32,) bytes."""
+    out = []
+    for i in range(4):
+        rows = np.stack([mem[a // 2 : a // 2 + 8] for a in addrs[8 * i : 8 * i + 8]])
+        out.append(frag_of(rows.T if trans else rows))
+    return out
+
+
+def mma_16816(a, b, c):
+    """D = A.B + C with the m16n8k16 register layouts of the PTX ISA."""
+    g, t = LANES // 4, LANES % 4
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    C = np.zeros((16, 8))
+    for e in range(2):
+        A[g, 2 * t + e] = a[0][:, e]
+        A[g + 8, 2 * t + e] = a[1][:, e]
+        A[g, 2 * t + 8 + e] = a[2][:, e]
+        A[g + 8, 2 * t + 8 + e] = a[3][:, e]
+        B[2 * t + e, g] = b[0][:, e]
+        B[2 * t + 8 + e, g] = b[1][:, e]
+        C[g, 2 * t + e] = c[e]
+        C[g + 8, 2 * t + e] = c[2 + e]
+    Dm = A @ B + C
+    return [Dm[g, 2 * t], Dm[g, 2 * t + 1], Dm[g + 8, 2 * t], Dm[g + 8, 2 * t + 1]]
+
+
+def pack(lo, hi):
+    return np.stack([lo, hi], axis=1)
+
+
+# ------------------------------------------------------------------------------------------
+# One warp over a few chunks, in the kernel's software-pipelined order, driven by its index maps
+# ------------------------------------------------------------------------------------------
+def build_record(kd, qd, kr, gt, inv, mqk):
+    """The workspace record per docs/kernel_abi.md, as 16-bit element slots + an f32 gt array."""
+    mem = np.zeros(rec.RECORD_BYTES // 2)
+    r, c = np.meshgrid(np.arange(16), np.arange(128), indexing="ij")
+    swz = r * 128 + ((c // 8) ^ (r % 8)) * 8 + c % 8
+    for off, tile in ((rec.OFF_KD, kd), (rec.OFF_QD, qd), (rec.OFF_KR, kr)):
+        mem[off // 2 + swz] = tile
+    mem[rec.OFF_INV // 2 : rec.OFF_INV // 2 + 256] = inv.reshape(-1)
+    mem[rec.OFF_MQK // 2 : rec.OFF_MQK // 2 + 256] = mqk.reshape(-1)
+    return mem, gt.copy()
+
+
+def _p_oq_chain(mem, state, n_tiles, kd_off=rec.OFF_KD, qd_off=rec.OFF_QD):
+    """Prologue: P = kd . S^T, Oq = qd . S^T from the state registers, k-blocks ascending."""
+    reg = rec.state_reg
+    zero = [np.zeros(32)] * 4
+    p = [zero] * n_tiles
+    o = [zero] * n_tiles
+    for kb in range(8):
+        off = rec.ldmatrix_a_offset(LANES, kb)
+        a_kd = ldmatrix_x4(mem, kd_off + off)
+        a_qd = ldmatrix_x4(mem, qd_off + off)
+        for nt in range(n_tiles):
+            b = (
+                movmatrix_trans(state[reg(kb, nt, 0, n_tiles)]),
+                movmatrix_trans(state[reg(kb, nt, 1, n_tiles)]),
+            )
+            p[nt] = mma_16816(a_kd, b, p[nt])
+            o[nt] = mma_16816(a_qd, b, o[nt])
+    return p, o
+
+
+def simulate_warp(records, v_tiles, b_rows, S, n_valid_last, n_tiles, warp, block_v):
+    """records: [(mem, gt)] per chunk; v_tiles: [16, block_v] per chunk (the CTA's columns);
+    b_rows: [16] per chunk; S: [block_v, 128] state rows of the CTA's columns (S[j, k]).
+    The last chunk has n_valid_last valid rows. Returns (outs [chunks, 16, block_v] with NaN
+    where this warp wrote nothing, S_new [block_v, 128] with NaN outside this warp's columns)."""
+    reg = rec.state_reg
+    col_w = warp * 8 * n_tiles
+    n_chunks = len(records)
+    zero = [np.zeros(32)] * 4
+    state = [None] * (16 * n_tiles)
+    for mt in range(8):
+        for nt in range(n_tiles):
+            for half in range(2):
+                k = mt * 16 + rec.acc_row(LANES, half)
+                j = col_w + nt * 8 + rec.acc_col(LANES)
+                state[reg(mt, nt, half, n_tiles)] = pack(S[j, k], S[j + 1, k])
+    p_acc, o_acc = _p_oq_chain(records[0][0], state, n_tiles)
+    outs = np.full((n_chunks, 16, block_v), np.nan)
+    for c in range(n_chunks):
+        mem, gt_mem = records[c]
+        nxt = records[min(c + 1, n_chunks - 1)][0]
+        n_valid = 16 if c < n_chunks - 1 else n_valid_last
+        v_mem = v_tiles[c].reshape(-1)  # the stage's v tile, 16-bit elements
+        small = rec.ldmatrix_small_offset(LANES)
+        a_inv = ldmatrix_x4(mem, rec.OFF_INV + small)
+        a_mqk = ldmatrix_x4(mem, rec.OFF_MQK + small)
+        ub = []
+        for nt in range(n_tiles):
+            u = []
+            for half in range(2):
+                row = rec.acc_row(LANES, half)
+                e = (
+                    rec.v_smem_offset(row, col_w + nt * 8 + rec.acc_col(LANES), block_v)
+                    // 2
+                )
+                v = pack(v_mem[e], v_mem[e + 1])
+                p = pack(p_acc[nt][2 * half], p_acc[nt][2 * half + 1])
+                uu = (v - p) * b_rows[c][row][:, None]
+                u.append(np.where((row < n_valid)[:, None], uu, 0.0))
+            u_acc = mma_16816(
+                a_inv, (movmatrix_trans(u[0]), movmatrix_trans(u[1])), zero
+            )
+            big_u = (pack(u_acc[0], u_acc[1]), pack(u_acc[2], u_acc[3]))
+            ub.append((movmatrix_trans(big_u[0]), movmatrix_trans(big_u[1])))
+        for nt in range(n_tiles):
+            m_acc = mma_16816(a_mqk, ub[nt], zero)
+            for half in range(2):
+                row = rec.acc_row(LANES, half)
+                col = col_w + nt * 8 + rec.acc_col(LANES)
+                o = pack(o_acc[nt][2 * half], o_acc[nt][2 * half + 1])
+                o = o + pack(m_acc[2 * half], m_acc[2 * half + 1])
+                ok = row < n_valid
+                outs[c, row[ok], col[ok]] = o[ok, 0]
+                outs[c, row[ok], col[ok] + 1] = o[ok, 1]
+        p_new = [zero] * n_tiles
+        o_new = [zero] * n_tiles
+        for mt in range(8):
+            a_krt = ldmatrix_x4(
+                mem, rec.OFF_KR + rec.ldmatrix_krt_offset(LANES, mt), trans=True
+            )
+            gt_lo = gt_mem[mt * 16 + rec.acc_row(LANES, 0)]
+            gt_hi = gt_mem[mt * 16 + rec.acc_row(LANES, 1)]
+            a_off = rec.ldmatrix_a_offset(LANES, mt)
+            a_kd = ldmatrix_x4(nxt, rec.OFF_KD + a_off)
+            a_qd = ldmatrix_x4(nxt, rec.OFF_QD + a_off)
+            for nt in range(n_tiles):
+                w = mma_16816(a_krt, ub[nt], zero)
+                i0, i1 = reg(mt, nt, 0, n_tiles), reg(mt, nt, 1, n_tiles)
+                state[i0] = state[i0] * gt_lo[:, None] + pack(w[0], w[1])
+                state[i1] = state[i1] * gt_hi[:, None] + pack(w[2], w[3])
+                b = (movmatrix_trans(state[i0]), movmatrix_trans(state[i1]))
+                p_new[nt] = mma_16816(a_kd, b, p_new[nt])
+                o_new[nt] = mma_16816(a_qd, b, o_new[nt])
+        p_acc, o_acc = p_new, o_new
+    S_new = np.full_like(S, np.nan)
+    for mt in range(8):
+        for nt in range(n_tiles):
+            for half in range(2):
+                k = mt * 16 + rec.acc_row(LANES, half)
+                j = col_w + nt * 8 + rec.acc_col(LANES)
+                s = state[reg(mt, nt, half, n_tiles)]
+                S_new[j, k] = s[:, 0]
+                S_new[j + 1, k] = s[:, 1]
+    return outs, S_new
+
+
+def reference_chunk(kd, qd, kr, gt, inv, mqk, S, V, b, n_valid):
+    """SPEC kernel 2 for one chunk without rounding; S[j, k], V [16, cols]."""
+    P = kd @ S.T
+    u = (V - P) * b[:, None]
+    u[n_valid:] = 0.0
+    U = inv @ u
+    out = qd @ S.T + mqk @ U
+    S_new = S * gt[None, :] + U.T @ kr
+    return out, S_new
+
+
+def _random_chunk(rng, cols):
+    kd, qd, kr = (rng.standard_normal((16, 128)) for _ in range(3))
+    gt = rng.uniform(0.1, 1.0, 128)
+    inv = np.tril(rng.standard_normal((16, 16)))
+    mqk = np.tril(rng.standard_normal((16, 16)))
+    V = rng.standard_normal((16, cols))
+    b = rng.uniform(0.0, 1.0, 16)
+    return kd, qd, kr, gt, inv, mqk, V, b
+
+
+def _run_case(rng, block_v, n_chunks, n_valid_last):
+    """Every warp of a block_v CTA simulated over n_chunks; returns (outs, S_new, ref, ref_S)."""
+    n_warps, n_tiles = rec.warp_split(block_v)
+    chunks = [_random_chunk(rng, block_v) for _ in range(n_chunks)]
+    S = rng.standard_normal((block_v, 128))
+    records = [build_record(*ch[:6]) for ch in chunks]
+    v_tiles = [ch[6] for ch in chunks]
+    b_rows = [ch[7] for ch in chunks]
+    outs = np.full((n_chunks, 16, block_v), np.nan)
+    S_new = np.full_like(S, np.nan)
+    for w in range(n_warps):
+        o, s = simulate_warp(
+            records, v_tiles, b_rows, S, n_valid_last, n_tiles, w, block_v
+        )
+        mine = ~np.isnan(s[:, 0])
+        assert not (mine & ~np.isnan(S_new[:, 0])).any(), "two warps own one column"
+        S_new[mine] = s[mine]
+        written = ~np.isnan(o)
+        outs[written] = o[written]
+    ref_outs = np.full_like(outs, np.nan)
+    ref_S = S
+    for c, (kd, qd, kr, gt, inv, mqk, V, b) in enumerate(chunks):
+        n_valid = 16 if c < n_chunks - 1 else n_valid_last
+        out, ref_S = reference_chunk(kd, qd, kr, gt, inv, mqk, ref_S, V, b, n_valid)
+        ref_outs[c, :n_valid] = out[:n_valid]
+    return outs, S_new, ref_outs, ref_S
+
+
+@pytest.mark.parametrize("block_v", rec.BLOCK_V_CHOICES)
+@pytest.mark.parametrize("n_chunks,n_valid_last", [(1, 16), (1, 1), (3, 5)])
+def test_fragment_simulator_matches_matrix_math(block_v, n_chunks, n_valid_last):
+    rng = np.random.default_rng(block_v * 100 + n_chunks * 10 + n_valid_last)
+    outs, S_new, ref_outs, ref_S = _run_case(rng, block_v, n_chunks, n_valid_last)
+    # same NaN pattern: every valid row of every column written once, nothing past the end
+    np.testing.assert_array_equal(np.isnan(outs), np.isnan(ref_outs))
+    np.testing.assert_allclose(outs, ref_outs, rtol=0, atol=1e-8)
+    np.testing.assert_allclose(S_new, ref_S, rtol=0, atol=1e-8)
+
+
+def test_fragment_simulator_detects_a_missing_transpose():
+    """The simulator is sensitive: feeding accumulator registers as a B operand without
+    movmatrix gives a different product (so such a layout slip would be caught)."""
+    rng = np.random.default_rng(7)
+    kd, qd, kr, gt, inv, mqk, _, _ = _random_chunk(rng, 8)
+    S = rng.standard_normal((8, 128))
+    mem, _ = build_record(kd, qd, kr, gt, inv, mqk)
+    state = [None] * 16
+    for mt in range(8):
+        for half in range(2):
+            k = mt * 16 + rec.acc_row(LANES, half)
+            j = rec.acc_col(LANES)
+            state[rec.state_reg(mt, 0, half, 1)] = pack(S[j, k], S[j + 1, k])
+    good, _ = _p_oq_chain(mem, state, 1)
+    bad = [movmatrix_trans(x) for x in state]  # movmatrix twice == no transpose at all
+    wrong, _ = _p_oq_chain(mem, bad, 1)
+    g, t = LANES // 4, LANES % 4
+    P = kd @ S.T
+    np.testing.assert_allclose(good[0][0], P[g, 2 * t], atol=1e-9)
+    assert np.abs(wrong[0][0] - P[g, 2 * t]).max() > 1e-3
+
+
+def test_accumulator_to_b_operand_is_a_transpose():
+    """movmatrix of the two packed accumulator halves of X (16 x 8) is the B operand of X."""
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((16, 8))
+    g, t = LANES // 4, LANES % 4
+    c = [X[g, 2 * t], X[g, 2 * t + 1], X[g + 8, 2 * t], X[g + 8, 2 * t + 1]]
+    b = (movmatrix_trans(pack(c[0], c[1])), movmatrix_trans(pack(c[2], c[3])))
+    eye = [
+        frag_of(np.eye(8)),
+        frag_of(np.zeros((8, 8))),
+        frag_of(np.zeros((8, 8))),
+        frag_of(np.eye(8)),
+    ]
+    d = mma_16816(eye, b, [np.zeros(32)] * 4)  # I_16 . X == X
+    np.testing.assert_array_equal(np.stack(d), np.stack(c))
+
+
+def test_ldmatrix_offsets_cover_the_swizzled_tile_once():
+    """Per k-block, the 32 row addresses are distinct 16-byte granules of the right rows."""
+    for kb in range(8):
+        offs = rec.ldmatrix_a_offset(LANES, kb)
+        assert (
+            len(set(offs.tolist())) == 32
+            and (offs % 16 == 0).all()
+            and (offs < 4096).all()
+        )
+        offs = rec.ldmatrix_krt_offset(LANES, kb)
+        assert (
+            len(set(offs.tolist())) == 32
+            and (offs % 16 == 0).all()
+            and (offs < 4096).all()
+        )
+    offs = rec.ldmatrix_small_offset(LANES)
+    assert sorted(offs.tolist()) == list(range(0, 512, 16))
+
+
+# ------------------------------------------------------------------------------------------
+# Compilation (no GPU needed)
+# ------------------------------------------------------------------------------------------
+def _tool(name):
+    """A CUDA binary tool: from the nvidia-cuda-* wheels if installed, else PATH."""
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for sub in ("cu13", "cuda_cuobjdump", "cuda_nvdisasm"):
+                path = os.path.join(root, sub, "bin", name)
+                if os.path.exists(path):
+                    return path
+    except ImportError:
+        pass
+    return shutil.which(name)
+
+
+def _cubin_path(dump_dir):
+    cubins = [f for f in os.listdir(dump_dir) if f.endswith(".cubin")]
+    assert len(cubins) == 1, cubins
+    return os.path.join(dump_dir, cubins[0])
+
+
+CASES = [(bv, "sm_90a") for bv in rec.BLOCK_V_CHOICES] + [
+    (32, "sm_100a"),
+    (128, "sm_100a"),
+]
+
+
+@pytest.mark.parametrize("block_v,arch", CASES)
+def test_compiles_with_mma_movmatrix_and_no_spills(block_v, arch, tmp_path):
+    t0 = time.time()
+    compiled = rec.compile_recurrence(block_v, arch, dump_dir=str(tmp_path))
+    elapsed = time.time() - t0
+    assert elapsed < 120, f"compile took {elapsed:.1f} s"
+    ptx = compiled.__ptx__
+    _, n_tiles = rec.warp_split(block_v)
+    assert f".target {arch}" in ptx
+    # per n-tile: prologue P(0)/Oq(0) chains (16 MMAs, 16 state movmatrix); loop body (emitted
+    # once): 1 (INV.u) + 1 (Mqk.U) + 8 (state update) + 16 (next chunk's P, Oq) MMAs and
+    # 2 (u -> B) + 2 (U -> B) + 16 (state -> B) movmatrix.
+    assert (
+        ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 42 * n_tiles
+    )
+    assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") == 36 * n_tiles
+    assert ".local" not in ptx
+    assert "fma.rn.ftz.f32" in ptx and "tanh.approx.f32" in ptx
+
+    cuobjdump = _tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip(
+            "cuobjdump not available: PTX checked, cubin resource usage not checked"
+        )
+    cubin = _cubin_path(str(tmp_path))
+    res = subprocess.run(
+        [cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True
+    )
+    assert "LOCAL:0" in res.stdout and "STACK:0" in res.stdout, res.stdout
+    sass = subprocess.run(
+        [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
+    ).stdout
+    if sass.strip():
+        assert "HMMA.16816.F32.BF16" in sass
+        assert "MOVM.16.MT88" in sass
+        assert "LDL" not in sass and "STL" not in sass
+
+
+def test_export_to_c_writes_header_and_object(tmp_path):
+    """The AOT path: export_to_c on a GPU-less machine (DSL runtime libraries loaded first)."""
+    import ctypes
+
+    from cutlass.cute.export import aot_config
+
+    for path in aot_config.get_lib_paths():
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    compiled = rec.compile_recurrence(32, "sm_90a")
+    prefix = "test_kda_recurrence_bv32_sm90a"
+    compiled.export_to_c(str(tmp_path), prefix, prefix)
+    header = (tmp_path / f"{prefix}.h").read_text()
+    assert (tmp_path / f"{prefix}.o").stat().st_size > 0
+    assert f"cute_dsl_{prefix}_wrapper(" in header
+    for name in (
+        "mV",
+        "mBeta",
+        "mWorkspace",
+        "mCuSeqlens",
+        "mState0",
+        "mOut",
+        "mStateT",
+    ):
+        assert f"{prefix}_Tensor_{name}_t" in header
+    assert "cudaStream_t stream" in header
+
+
+# ------------------------------------------------------------------------------------------
+# The stage loader's address arithmetic, run on Python integers against a fake memory
+# ------------------------------------------------------------------------------------------
+class _FakeMachine:
+    """Global memory as one bytearray (addresses = offsets), shared memory as another; the
+    loader's memory helpers are replaced by versions that act on them and check bounds."""
+
+    def __init__(self, gmem, arrays, smem_bytes):
+        self.gmem = gmem
+        self.arrays = arrays  # name -> (start, end) of each global array
+        self.smem = bytearray(smem_bytes)
+        self.sync_beta_copies = 0
+
+    def _check(self, addr, size):
+        assert any(s <= addr and addr + size <= e for s, e in self.arrays.values()), (
+            f"global access [{addr}, {addr + size}) outside every array"
+        )
+
+    def cp_async_16_if(self, smem, gmem, idx, limit):
+        smem, gmem = int(smem), int(gmem)
+        if int(idx) < int(limit):
+            self._check(gmem, 16)
+            assert gmem % 16 == 0 and smem % 16 == 0
+            self.smem[smem : smem + 16] = self.gmem[gmem : gmem + 16]
+
+    def beta_to_shared_if(self, slot, elem_addr, async_ok, idx, limit):
+        slot, elem_addr = int(slot), int(elem_addr)
+        if int(idx) < int(limit):
+            if int(async_ok):
+                word = elem_addr & ~3
+                self._check(word, 4)
+                self.smem[slot : slot + 4] = self.gmem[word : word + 4]
+            else:
+                self.sync_beta_copies += 1
+                self._check(elem_addr, 2)
+                off = slot + (elem_addr & 2)
+                self.smem[off : off + 2] = self.gmem[elem_addr : elem_addr + 2]
+
+    def select_lt(self, idx, limit, a, b):
+        return a if int(idx) < int(limit) else b
+
+    def ld_shared_u16(self, addr):
+        addr = int(addr)
+        return int.from_bytes(self.smem[addr : addr + 2], "little")
+
+
+@pytest.mark.parametrize("block_v", rec.BLOCK_V_CHOICES)
+@pytest.mark.parametrize("beta_misalign", [0, 2])
+@pytest.mark.parametrize("eos", [37, 30])
+def test_stage_loader_copies_the_right_bytes(block_v, beta_misalign, eos, monkeypatch):
+    from cutlass import Int32
+
+    rng = np.random.default_rng(block_v + beta_misalign)
+    # chunks of tokens 5..20 and 21..36 (eos = 37: the sequence ends at the arrays' last token;
+    # eos = 30: the second chunk has 9 valid rows)
+    t_total, heads, head = 37, 3, 2
+    bos, slot0, n_slots = 5, 1, 6
+    n_warps, _ = rec.warp_split(block_v)
+    v_off, beta_off, stage_bytes = rec.stage_layout(block_v)
+    slice_idx = 128 // block_v - 1
+    v = rng.integers(0, 2**16, (t_total, heads, 128), dtype=np.uint16)
+    beta = rng.integers(0, 2**16, (t_total, heads), dtype=np.uint16)
+    ws = rng.integers(0, 256, (heads, n_slots, rec.RECORD_BYTES), dtype=np.uint8)
+    v_base, ws_base = 64, 64 + v.nbytes + 64
+    beta_base = ws_base + ws.nbytes + 64 + beta_misalign
+    gmem = bytearray(beta_base + beta.nbytes + 64)
+    gmem[v_base : v_base + v.nbytes] = v.tobytes()
+    gmem[ws_base : ws_base + ws.nbytes] = ws.tobytes()
+    gmem[beta_base : beta_base + beta.nbytes] = beta.tobytes()
+    arrays = {
+        "v": (v_base, v_base + v.nbytes),
+        "ws": (ws_base, ws_base + ws.nbytes),
+        "beta": (beta_base, beta_base + beta.nbytes),
+    }
+    fake = _FakeMachine(gmem, arrays, 2 * stage_bytes)
+    for name in ("cp_async_16_if", "beta_to_shared_if", "select_lt", "ld_shared_u16"):
+        monkeypatch.setattr(rec.mu, name, getattr(fake, name))
+
+    col_cta = slice_idx * block_v
+    for chunk in range(2):
+        stage = chunk * stage_bytes
+        for tid in range(32 * n_warps):
+            src = rec._Sources(
+                ws_head=ws_base + head * n_slots * rec.RECORD_BYTES,
+                slot0=slot0,
+                v_col0=v_base + col_cta * 2,
+                beta_base=beta_base,
+                num_heads=heads,
+                head=head,
+                bos=bos,
+                eos=eos,
+                beta_elems=t_total * heads,
+                tid=tid,
+                nthreads=32 * n_warps,
+                block_v=block_v,
+                v_off=v_off,
+                beta_off=beta_off,
+            )
+            rec._load_stage(src, Int32(chunk), stage)
+        got = fake.smem[stage : stage + stage_bytes]
+        assert bytes(got[: rec.RECORD_BYTES]) == ws[head, slot0 + chunk].tobytes()
+        rows = np.arange(16) + bos + 16 * chunk
+        n_valid = int((rows < eos).sum())
+        v_tile = np.frombuffer(bytes(got[v_off:beta_off]), np.uint16).reshape(
+            16, block_v
+        )
+        np.testing.assert_array_equal(
+            v_tile[:n_valid], v[rows[:n_valid], head, col_cta : col_cta + block_v]
+        )
+        assert not v_tile[n_valid:].any(), "rows past the sequence end must not be read"
+        for r in range(n_valid):
+            bits = rec._beta_bits(src, stage, Int32(bos + 16 * chunk), r)
+            assert int(bits) == beta[rows[r], head], (chunk, r)
+    # the last element of beta starts a 4-byte word only for an even array start: then (and
+    # only then) the synchronous fallback must have been taken for it
+    expected = 1 if (beta_misalign == 0 and eos == t_total) else 0
+    assert fake.sync_beta_copies == expected

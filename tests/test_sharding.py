@@ -1,0 +1,226 @@
+"""Head-sharded kda_prefill (tensor parallelism): kda_prefill_sharded and plain jit.
+
+The CPU tests need several devices, and XLA's device count is fixed when jax initialises. So
+`test_sharding_on_four_virtual_cpu_devices` re-runs this file in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=4 and KDA_SHARDING_SUBPROCESS=1; only there do the
+`on_virtual_devices` tests run (they skip in the parent run). Other test files are unaffected.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_kda
+from jax_kda import _launch, api
+
+IN_SUBPROCESS = os.environ.get("KDA_SHARDING_SUBPROCESS") == "1"
+DEVICES = 4
+on_virtual_devices = pytest.mark.skipif(
+    not IN_SUBPROCESS, reason="runs inside test_sharding_on_four_virtual_cpu_devices' subprocess"
+)
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
+B, T, H = 2, 20, 8
+
+
+@pytest.mark.skipif(IN_SUBPROCESS, reason="this is the parent of the subprocess")
+def test_sharding_on_four_virtual_cpu_devices():
+    env = dict(os.environ, KDA_SHARDING_SUBPROCESS="1", JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={DEVICES}").strip()
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+         "-k", "not test_sharding_on_four_virtual_cpu_devices"], env=env, capture_output=True, text=True, timeout=1200, check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    report = run.stdout[-6000:] + run.stderr[-3000:]
+    assert run.returncode == 0, report
+    passed = re.search(r"(\d+) passed", run.stdout)
+    assert passed and int(passed.group(1)) >= 8, report
+    assert "skipped" not in run.stdout.splitlines()[-1], report
+
+
+def make_args(b=B, t=T, h=H, seed=0, state_dtype=jnp.bfloat16, num_seqs=None):
+    rng = np.random.default_rng(seed)
+
+    def bf16(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    return {
+        "q": bf16(b, t, h, 128), "k": bf16(b, t, h, 128), "v": bf16(b, t, h, 128),
+        "g": bf16(b, t, h, 128), "beta": bf16(b, t, h),
+        "A_log": jnp.asarray(rng.uniform(-1.5, 1.0, h), jnp.float32),
+        "dt_bias": jnp.asarray(rng.standard_normal((h, 128)), jnp.float32),
+        "initial_state": jnp.asarray(rng.standard_normal((num_seqs or b, h, 128, 128)), state_dtype),
+    }
+
+
+def head_mesh(axis_types=None):
+    return jax.make_mesh((DEVICES,), ("tp",), axis_types=axis_types or (AxisType.Auto,))
+
+
+def put_head_sharded(args, mesh):
+    specs = jax_kda.sharding.head_specs("tp")
+    return {name: jax.device_put(x, NamedSharding(mesh, specs[name])) for name, x in args.items()}
+
+
+def assert_bitwise(got, want):
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+_unsharded = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="reference"))
+
+
+@on_virtual_devices
+def test_virtual_devices_are_there():
+    assert len(jax.devices()) == DEVICES
+
+
+@on_virtual_devices
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_sharded_equals_unsharded_without_collectives(backend):
+    mesh = head_mesh()
+    args = make_args()
+    fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
+                         output_final_state=True, backend=backend))
+    sharded_args = put_head_sharded(args, mesh)
+    out, state = fn(**sharded_args)
+    assert_bitwise((out, state), _unsharded(**args))
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), out.ndim)
+    assert state.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), state.ndim)
+    assert state.dtype == jnp.bfloat16
+    hlo = fn.lower(**sharded_args).compile().as_text()
+    found = [c for c in COLLECTIVES if c in hlo]
+    assert not found, found
+
+
+@on_virtual_devices
+def test_sharded_varlen_f32_state_from_replicated_inputs():
+    mesh = head_mesh()
+    args = make_args(b=1, t=37, seed=1, state_dtype=jnp.float32, num_seqs=3)
+    cu = jnp.asarray([0, 16, 16, 37], jnp.int32)
+    fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True))
+    out, state = fn(**args, cu_seqlens=cu)  # unsharded inputs: shard_map slices them locally
+    assert_bitwise((out, state), _unsharded(**args, cu_seqlens=cu))
+    assert state.dtype == jnp.float32
+
+
+@on_virtual_devices
+def test_context_mesh_with_explicit_axes():
+    mesh = head_mesh(axis_types=(AxisType.Explicit,))
+    args = make_args(seed=2)
+    with jax.set_mesh(mesh):
+        sharded_args = put_head_sharded(args, mesh)
+        fn = jax.jit(partial(jax_kda.kda_prefill_sharded, output_final_state=True))
+        out, state = fn(**sharded_args)
+        hlo = fn.lower(**sharded_args).compile().as_text()
+    assert_bitwise((out, state), _unsharded(**args))
+    assert not [c for c in COLLECTIVES if c in hlo]
+
+
+@on_virtual_devices
+def test_two_dimensional_mesh_heads_on_one_axis():
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    args = make_args(seed=3)
+    fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
+                         output_final_state=True))
+    sharded_args = put_head_sharded(args, mesh)
+    out, state = fn(**sharded_args)
+    assert_bitwise((out, state), _unsharded(**args))
+    hlo = fn.lower(**sharded_args).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in hlo]
+
+
+@on_virtual_devices
+def test_plain_jit_on_head_sharded_inputs_is_correct():
+    """No helper: XLA partitions (reference) or gathers (kernel custom call); either way correct."""
+    mesh = head_mesh()
+    args = make_args(seed=4)
+    out, state = _unsharded(**put_head_sharded(args, mesh))
+    assert_bitwise((out, state), _unsharded(**args))
+
+
+@on_virtual_devices
+def test_errors_name_the_problem():
+    mesh = head_mesh()
+    with pytest.raises(ValueError, match=r"H = 6 must be a multiple of the size of mesh axis 'tp' \(4\)"):
+        jax_kda.kda_prefill_sharded(**make_args(h=6), mesh=mesh)
+    with pytest.raises(ValueError, match=r"head_axis 'model' is not an axis of the mesh"):
+        jax_kda.kda_prefill_sharded(**make_args(), mesh=mesh, head_axis="model")
+    with pytest.raises(ValueError, match=r"no mesh"):
+        jax_kda.kda_prefill_sharded(**make_args())
+
+
+def recurrence_block_v(text):
+    return [int(m) for m in re.findall(r"block_v = (\d+) : i32", text)]
+
+
+@on_virtual_devices
+def test_cuda_lowering_runs_kernels_on_local_heads(monkeypatch):
+    pytest.importorskip("jax_kda._ffi")
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)  # lowering needs no GPU
+    mesh = head_mesh()
+    args = make_args(seed=5)
+    fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True,
+                         backend="kernel"))
+    text = fn.trace(**put_head_sharded(args, mesh)).lower(lowering_platforms=("cuda",)).as_text()
+    local = H // DEVICES
+    assert re.search(rf"custom_call @jax_kda_prepare_v1\(.*tensor<{B * T}x{local}x128xbf16>", text)
+    assert re.search(rf"custom_call @jax_kda_recurrence_v1\(.*tensor<{B}x{local}x128x128xbf16>", text)
+    # The launch heuristic ran on the local head count.
+    assert recurrence_block_v(text) == [_launch.choose_block_v(num_seqs=B, heads=local)]
+    assert not [c for c in ("all_gather", "all_to_all", "collective_permute", "all_reduce")
+                if c in text]
+
+
+@on_virtual_devices
+def test_plain_jit_kernel_path_sees_all_heads(monkeypatch):
+    """Documents the gather: without the helper the custom call is lowered for the global H."""
+    pytest.importorskip("jax_kda._ffi")
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    mesh = head_mesh()
+    args = make_args(seed=6)
+    fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
+    text = fn.trace(**put_head_sharded(args, mesh)).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.search(rf"custom_call @jax_kda_prepare_v1\(.*tensor<{B * T}x{H}x128xbf16>", text)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+def require_gpu_kernels():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        pytest.skip("no CUDA GPU visible to JAX")
+    from jax_kda import _ffi
+
+    if not _ffi.kernels_available():
+        pytest.skip(f"kernels unavailable: {_ffi.unavailable_reason()}")
+    return gpus
+
+
+@pytest.mark.gpu
+def test_gpu_one_device_mesh_equals_unsharded_kernel_call():
+    gpus = require_gpu_kernels()
+    mesh = jax.sharding.Mesh(np.array(gpus[:1]), ("tp",))
+    args = make_args(t=300, h=12, seed=7)
+    kernel = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
+    sharded = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True,
+                              backend="kernel"))
+    assert_bitwise(sharded(**put_head_sharded(args, mesh)), kernel(**args))
+    hlo = sharded.lower(**put_head_sharded(args, mesh)).compile().as_text()
+    assert "jax_kda_recurrence_v1" in hlo
+    assert not [c for c in COLLECTIVES if c in hlo]
