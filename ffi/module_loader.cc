@@ -90,9 +90,13 @@ std::string CudaMessage(const std::string& what, cudaError_t err) {
   return what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
 }
 
-std::string StreamDevice(cudaStream_t stream, int* device) {
-  cudaError_t err = cudaStreamGetDevice(stream, device);
-  if (err != cudaSuccess) return CudaMessage("cudaStreamGetDevice", err);
+std::string StreamDevice(cudaStream_t /*stream*/, int* device) {
+  // XLA runs a handler with the stream's device current. cudaStreamGetDevice would say the same,
+  // but it is refused during stream capture and invalidates the CUDA graph being recorded
+  // (cudaErrorStreamCaptureUnsupported, seen on the H200 with command buffers), while
+  // cudaGetDevice enqueues nothing and is legal there.
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return CudaMessage("cudaGetDevice", err);
   if (*device < 0 || *device >= kMaxDevices) {
     return "jax_kda supports device ordinals below " + std::to_string(kMaxDevices);
   }

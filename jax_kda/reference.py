@@ -98,18 +98,25 @@ def _rounding_disabled():
         _ROUNDING = True
 
 
+# XLA may drop a narrowing-then-widening convert pair as "excess precision" (the GPU compiler does
+# with its default xla_allow_excess_precision=true), which would silently skip the rounding. A
+# value that passes an optimization barrier in its narrow dtype keeps its rounding.
+def _narrow(x, dtype):
+    return lax.optimization_barrier(x.astype(dtype))
+
+
 def _round_bf16(x):
     """Round an f32 array to bf16 and widen it back (the value the GPU keeps after bf16(x))."""
-    return x.astype(jnp.bfloat16).astype(jnp.float32) if _ROUNDING else x
+    return _narrow(x, jnp.bfloat16).astype(jnp.float32) if _ROUNDING else x
 
 
 def _store_bf16(x):
     """bf16(x) where the GPU stores bf16 (outputs, state, workspace)."""
-    return x.astype(jnp.bfloat16 if _ROUNDING else jnp.float32)
+    return _narrow(x, jnp.bfloat16) if _ROUNDING else x.astype(jnp.float32)
 
 
 def _round_f16(x):
-    return x.astype(jnp.float16).astype(jnp.float32) if _ROUNDING else x
+    return _narrow(x, jnp.float16).astype(jnp.float32) if _ROUNDING else x
 
 
 # XLA on CPU flushes subnormal f32 results (and inputs) to zero; the GPU's mul.f32, bf16 conversions

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One batched H200 call (device time is scarce): GPU tests, a compute-sanitizer pass on a small
 # shape, then the benchmark with fla alongside. Needs carry=[".whl", ".carry"]; see gpu_roundtrip.sh.
-#   STAGES: any of "tests sanitizer bench" (default: all three)
+#   STAGES: any of "tests sanitizer bench multigpu" (default: the first three)
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$REPO/gpu_out}"; mkdir -p "$OUT"
 STAGES="${STAGES:-tests sanitizer bench}"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # subprocess tests need GPU memory too
 if ls "$REPO"/.carry/*.whl >/dev/null 2>&1; then  # fla (pure Python) for --compare fla
   python3 -m pip install -q --no-deps --no-index --target /tmp/fla "$REPO"/.carry/*.whl && export PYTHONPATH=/tmp/fla
 fi
@@ -22,6 +22,11 @@ for stage in $STAGES; do
           python3 "$REPO/scripts/sanitizer_case.py") 2>&1 | tail -n 25
         echo "compute-sanitizer $tool exit ${PIPESTATUS[0]}"
       done ;;
+    multigpu)
+      site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$REPO"/.whl/jax_kda-*.whl
+      echo "== multi-GPU sharded check"
+      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 240 python3 "$REPO/scripts/multi_gpu_check.py" "$OUT/multi_gpu.json")
+      echo "multi-GPU exit $?" ;;
     bench) JAX_KDA_BENCH_ARGS="${JAX_KDA_BENCH_ARGS:---preset baselines --compare fla --out $OUT/bench --no-progress --no-plot}" \
         BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu bench ;;
   esac

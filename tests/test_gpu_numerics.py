@@ -77,10 +77,15 @@ def compare(name, got, want):
     return rel, equal, ulp
 
 
-def run_both(args, **kw):
-    kernel = jax.jit(lambda a: jax_kda.kda_prefill(**a, backend="kernel", output_final_state=True, **kw))
-    ref = jax.jit(lambda a: jax_kda.kda_prefill(**a, backend="reference", output_final_state=True, **kw))
-    return kernel(args), ref(args)
+def run_both(args, inverse="stable", **arrays):
+    """(kernel on the GPU, reference on the CPU, where CI validates it against the oracle).
+    `arrays`: cu_seqlens / initial_state, passed as jit arguments."""
+    def run(backend):
+        return jax.jit(lambda a, extra: jax_kda.kda_prefill(
+            **a, **extra, inverse=inverse, backend=backend, output_final_state=True))
+
+    cpu = jax.devices("cpu")[0]
+    return run("kernel")(args, arrays), run("reference")(*jax.device_put((args, arrays), cpu))
 
 
 CASES = [  # (B, T, H, cu_seqlens or None)
@@ -98,12 +103,12 @@ def test_kernel_matches_reference(case, init_dtype, inverse):
     rng = np.random.default_rng()
     args = make_inputs(rng, B, T, H)
     N = B if cu is None else len(cu) - 1
-    kw = dict(inverse=inverse)
+    arrays = {}
     if cu is not None:
-        kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
+        arrays["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
     if init_dtype is not None:
-        kw["initial_state"] = random_state(rng, N, H, init_dtype)
-    (out_k, st_k), (out_r, st_r) = run_both(args, **kw)
+        arrays["initial_state"] = random_state(rng, N, H, init_dtype)
+    (out_k, st_k), (out_r, st_r) = run_both(args, inverse=inverse, **arrays)
     assert out_k.dtype == out_r.dtype == jnp.bfloat16
     assert st_k.dtype == st_r.dtype == (init_dtype or jnp.bfloat16)
     rel, equal, _ = compare("out", out_k, out_r)
@@ -148,8 +153,12 @@ def test_prepare_workspace_matches_reference(inverse):
             equal = float(np.mean(got_bits == want_bits.reshape(got_bits.shape)))
             print(f"\n  seq {n} {field}: bit-equal {equal:.4f}")
             assert equal >= 0.97, field
-        gt_equal = float(np.mean(decoded["gt"][:, sel] == np.asarray(want.gt).reshape(decoded["gt"][:, sel].shape)))
-        assert gt_equal >= 0.9
+        # gt stays f32: ex2.approx and XLA's exp2 differ in the last bits, so compare in ulps
+        got_gt = decoded["gt"][:, sel].astype(np.float64)
+        want_gt = np.asarray(want.gt, np.float64).reshape(got_gt.shape)
+        gt_rel = float(np.max(np.abs(got_gt - want_gt) / np.maximum(np.abs(want_gt), 1e-30)))
+        print(f"\n  seq {n} gt: bit-equal {np.mean(got_gt == want_gt):.4f}, max rel {gt_rel:.1e}")
+        assert gt_rel <= 2.0**-20
 
 
 def _shapes_for_bitwise():
@@ -187,9 +196,13 @@ def test_every_column_split_is_bitwise_identical(shape):
 
 @pytest.mark.parametrize("g_value", [-8.0, -4.0, 0.0, 8.0, "uniform", "normal"])
 def test_kernel_vs_f64_oracle(g_value):
+    """FlashKDA's protocol: q, k, v ~ U(0, 1). (With N(0, 1) inputs the SPEC's own bf16 roundings
+    cost 0.005-0.007 relative RMSE, kernel and reference alike: see tests/test_reference.py.)"""
     rng = np.random.default_rng()
     T, H = 300, 2
     a = make_inputs(rng, 1, T, H)
+    for name in ("q", "k", "v"):
+        a[name] = jnp.asarray(rng.uniform(0, 1, a[name].shape), jnp.bfloat16)
     if isinstance(g_value, float):
         a["g"] = jnp.full_like(a["g"], g_value)
     elif g_value == "uniform":
@@ -255,3 +268,16 @@ def test_run_to_run_bitwise_determinism_at_scale():
         again = f(a)
         for x, y in zip(first, again):
             np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def test_reference_on_gpu_keeps_its_roundings():
+    """XLA's GPU compiler may drop bf16 round trips as excess precision; the reference must not let
+    it. Same program on CPU and GPU: only exp2/tanh/rsqrt last bits may differ."""
+    rng = np.random.default_rng()
+    a = make_inputs(rng, 1, 200, 2)
+    f = lambda x: jax_kda.kda_prefill(**x, backend="reference", output_final_state=True)  # noqa: E731
+    on_gpu = jax.jit(f)(a)
+    on_cpu = jax.jit(f)(jax.device_put(a, jax.devices("cpu")[0]))
+    for name, x, y in zip(("out", "state"), on_gpu, on_cpu):
+        rel, equal, _ = compare(f"reference GPU vs CPU {name}", x, y)
+        assert rel <= 1e-3 and equal >= 0.9

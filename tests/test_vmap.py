@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import _batching, _checks, _ffi, api, reference
+from jax_kda import _batching, _checks, _ffi, _launch, api, reference
 
 H = 2
 
@@ -273,6 +273,9 @@ def test_vmapped_kernel_call_lowers_to_one_pair_of_custom_calls(monkeypatch):
     # The kernels see all n*B sequences as one packed call: [n*B*T, H, 128] tokens.
     assert f"tensor<{n * b * t}x{H}x128xbf16>" in text
     assert f"tensor<{n * b}x{H}x128x128xbf16>" in text
+    # The launch heuristic chose the column split for the folded problem (n*B sequences).
+    block_v = [int(m) for m in re.findall(r"block_v = (\d+) : i32", text)]
+    assert block_v == [_launch.choose_block_v(num_seqs=n * b, heads=H)]
 
 
 def test_vmapped_head_parameters_lower_to_one_call_with_more_heads(monkeypatch):
@@ -285,3 +288,39 @@ def test_vmapped_head_parameters_lower_to_one_call_with_more_heads(monkeypatch):
             .lower(lowering_platforms=("cuda",)).as_text())
     assert sorted(custom_call_targets(text)) == ["jax_kda_prepare_v1", "jax_kda_recurrence_v1"]
     assert f"tensor<{b * t}x{n * H}x128xbf16>" in text
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_vmapped_kernels_equal_a_loop(varlen):
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus or not _ffi.kernels_available():
+        pytest.skip("needs a CUDA GPU and the built kernels")
+    n, t, h = 3, 300, 6
+    batch = make_batch(n, 1 if varlen else 2, t, h=h, seed=12)
+    cu = varlen_cu([17, 0, 283]) if varlen else None
+    if varlen:
+        batch["state"] = bf16(np.random.default_rng(13), n, 3, h, 128, 128)
+    names = DATA + ("state",)
+
+    def call(q, k, v, g, beta, state, A_log, dt_bias):
+        return jax_kda.kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
+                                   cu_seqlens=cu, output_final_state=True, backend="kernel")
+
+    args = jax.device_put([batch[a] for a in names] + [batch["A_log"][0], batch["dt_bias"][0]],
+                          gpus[0])
+    vmapped = jax.jit(jax.vmap(call, in_axes=(0,) * 6 + (None, None)))
+    text = vmapped.lower(*args).as_text()
+    assert sorted(custom_call_targets(text)) == ["jax_kda_prepare_v1", "jax_kda_recurrence_v1"]
+    out, state = vmapped(*args)
+    one = jax.jit(call)
+    for i in range(n):
+        o, s = one(*(x[i] for x in args[:6]), *args[6:])
+        np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(o, np.float32))
+        np.testing.assert_array_equal(np.asarray(state[i], np.float32), np.asarray(s, np.float32))
