@@ -26,6 +26,7 @@ reference (CPU) is partitioned by XLA like any JAX code.
 from __future__ import annotations
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .api import kda_prefill
@@ -87,9 +88,14 @@ def kda_prefill_sharded(
         )
         return (out, final_state) if output_final_state else out
 
+    arrays = [given[name] for name in names]
+    if isinstance(mesh, jax.sharding.Mesh):
+        # Explicit-axes meshes (jax.make_mesh's default) make shard_map insist that inputs already
+        # carry the head layout: put them there (a no-op for inputs that are head-sharded already).
+        arrays = [jax.device_put(x, NamedSharding(mesh, specs[name])) for name, x in zip(names, arrays)]
     out_specs = (specs["out"], specs["final_state"]) if output_final_state else specs["out"]
     result = jax.shard_map(
         local, mesh=mesh, in_specs=tuple(specs[name] for name in names), out_specs=out_specs,
         axis_names={head_axis},
-    )(*(given[name] for name in names))
+    )(*arrays)
     return result if output_final_state else (result, None)

@@ -60,7 +60,9 @@ def main(out_path):
         mesh = jax.make_mesh((d,), ("tp",), devices=gpus[:d])
         fn = jax.jit(functools.partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
                                        output_final_state=True, backend="kernel"))
-        args = [x[k] for k in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+        specs = jax_kda.sharding.head_specs("tp")
+        names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")  # already head-sharded, as in TP
+        args = [jax.device_put(x[k], jax.sharding.NamedSharding(mesh, specs[k])) for k in names]
         hlo = fn.lower(*args).compile().as_text()
         found = [c for c in COLLECTIVES if c in hlo]
         got = fn(*args)

@@ -153,12 +153,14 @@ def test_prepare_workspace_matches_reference(inverse):
             equal = float(np.mean(got_bits == want_bits.reshape(got_bits.shape)))
             print(f"\n  seq {n} {field}: bit-equal {equal:.4f}")
             assert equal >= 0.97, field
-        # gt stays f32: ex2.approx and XLA's exp2 differ in the last bits, so compare in ulps
+        # gt = ex2(G) stays f32. G sums 16 gates whose sigmoid (tanh.approx vs XLA's tanh) differs
+        # in the last bits; at G near -115 one ulp of G moves gt by 5e-6 relative. Measured on the
+        # H200: max rel 2.9e-5 / 4.8e-5 (stable / neumann runs).
         got_gt = decoded["gt"][:, sel].astype(np.float64)
         want_gt = np.asarray(want.gt, np.float64).reshape(got_gt.shape)
         gt_rel = float(np.max(np.abs(got_gt - want_gt) / np.maximum(np.abs(want_gt), 1e-30)))
         print(f"\n  seq {n} gt: bit-equal {np.mean(got_gt == want_gt):.4f}, max rel {gt_rel:.1e}")
-        assert gt_rel <= 2.0**-20
+        assert gt_rel <= 2e-4
 
 
 def _shapes_for_bitwise():

@@ -116,6 +116,22 @@ def test_sharded_varlen_f32_state_from_replicated_inputs():
 
 
 @on_virtual_devices
+@pytest.mark.parametrize("varlen", [False, True])
+def test_explicit_mesh_unsharded_inputs_without_initial_state(varlen):
+    """jax.make_mesh's default (explicit axes) with plain replicated inputs and no initial state:
+    the helper must move inputs to the head layout and the zero state must vary like them."""
+    mesh = jax.make_mesh((DEVICES,), ("tp",))
+    args = make_args(b=1 if varlen else 2, t=37, seed=3, num_seqs=3 if varlen else None)
+    del args["initial_state"]
+    extra = {"cu_seqlens": jnp.asarray([0, 5, 5, 37], jnp.int32)} if varlen else {}
+    fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True))
+    got = fn(**args, **extra)
+    assert_bitwise(got, _unsharded(**args, **extra))
+    hlo = fn.lower(**args, **extra).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in hlo]
+
+
+@on_virtual_devices
 def test_context_mesh_with_explicit_axes():
     mesh = head_mesh(axis_types=(AxisType.Explicit,))
     args = make_args(seed=2)
