@@ -1,6 +1,8 @@
 # Two entry points that work on a fresh machine: `make demo` and `make test`.
-# jax >= 0.11 needs Python >= 3.12: use python3.12 from PATH, else pyenv's.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+# jax >= 0.11 needs Python >= 3.12: the first interpreter among these that really runs and is new enough
+# (pyenv's shims exist for versions that are not active, so each candidate is tried).
+PYTHON_CANDIDATES = python3.12 python3.13 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3
+PYTHON312 ?= $(firstword $(foreach p,$(PYTHON_CANDIDATES),$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 12); print(sys.executable)' 2>/dev/null)))
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS ?= --disable-pip-version-check -q
