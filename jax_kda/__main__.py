@@ -15,6 +15,11 @@ import numpy as np
 
 from . import _ffi, kda_prefill, oracle
 
+# The demo draws q, k, v ~ N(0, 1). There the SPEC's bf16 roundings (kernels and reference alike)
+# cost 5e-3 to 7.5e-3 relative RMSE against float64; FlashKDA's 5e-3 bound holds for its U(0, 1)
+# inputs (both measured in tests/test_reference.py).
+ORACLE_TOLERANCE = 1e-2
+
 
 def _make_inputs(rng, T, H, dtype=jnp.bfloat16):
     def normal(*shape):
@@ -78,8 +83,8 @@ def main(argv=None) -> None:
     print(f"time:           {seconds * 1e3:.3f} ms per call (median, jit, incl. dispatch)")
     print(f"final state:    {final_state.dtype} {tuple(final_state.shape)}, finite={bool(jnp.isfinite(final_state).all())}")
     print(f"vs f64 oracle:  relative RMSE {rel_rmse:.2e} on head 0, tokens 0..{n - 1} "
-          f"(tolerance 5e-3) -> {'OK' if rel_rmse <= 5e-3 else 'FAIL'}")
-    if not rel_rmse <= 5e-3:
+          f"(tolerance {ORACLE_TOLERANCE:g}) -> {'OK' if rel_rmse <= ORACLE_TOLERANCE else 'FAIL'}")
+    if not rel_rmse <= ORACLE_TOLERANCE:
         raise SystemExit(1)
 
 

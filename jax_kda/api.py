@@ -120,13 +120,26 @@ def _pick_by_platform(kernel_fn, reference_fn, backend):
         return kernel_fn
     from . import _ffi
 
-    if not _ffi.kernels_available():
+    if not _ffi.kernels_available() or not _kernels_fit_visible_gpus():
         return reference_fn
 
     def auto(*arrays):
         return lax.platform_dependent(*arrays, cuda=kernel_fn, default=reference_fn)
 
     return auto
+
+
+def _kernels_fit_visible_gpus() -> bool:
+    """False when CUDA GPUs are visible but none has kernels built for it (e.g. an A100): "auto"
+    then runs the reference there. With no GPU visible (lowering for CUDA on a CPU host, for
+    export), the kernels are kept for the CUDA platform."""
+    from . import _ffi
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return True
+    return any(_ffi.device_supported(d) for d in gpus)
 
 
 def _require_kernels() -> None:
