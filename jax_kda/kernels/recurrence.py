@@ -245,76 +245,43 @@ class KdaRecurrence:
                     o_acc[nt * 4 + i] = o0[nt][i]
 
         for c in range(num_chunks):
-            # Chunk c+1 visible to all; the stage of chunk c-1 is free (refilled further down).
+            # Chunk c+1 visible to all; the stage of chunk c-1 is free: refill it.
             mu.cp_async_wait(LOOKAHEAD - 2)
             mu.cta_barrier()
+            _load_stage(
+                src,
+                cutlass.min(c + LOOKAHEAD, last_chunk),
+                ring + ((c + LOOKAHEAD) % STAGES) * STAGE_BYTES,
+            )
+            mu.cp_async_commit()
             cur = ring + (c % STAGES) * STAGE_BYTES
             nxt = ring + ((c + 1) % STAGES) * STAGE_BYTES
             row_tok0 = bos + c * CHUNK
 
-            # The warp issues in order and is alone on its SM sub-partition, so the source order
-            # below is the schedule (ptxas keeps it): every shared-memory operand is requested
-            # before the first instruction that waits for P(c), and independent work is placed
-            # between the dependent MMAs of the serial chain
-            #   P(c) -> u -> INV.u -> U -> kr^T.U -> S tile mt -> P(c+1) k-block mt (mt = 0..7).
-            # Only the order of independent instructions differs from the straightforward
-            # version; each column's MMA k-block order and every rounding are unchanged.
+            # Chunk c's operands (none depends on the serial chain).
             a_inv = mu.ldmatrix_x4(cur + OFF_INV + small_off)
-            a_krt = [
-                mu.ldmatrix_x4_trans(cur + OFF_KR + ldmatrix_krt_offset(lane, mt))
-                for mt in range(8)
-            ]
-            v_raw = [
-                [
-                    mu.ld_shared_b32(
-                        cur
-                        + V_OFF
-                        + v_smem_offset(acc_row(lane, half), col_w + nt * 8 + t2, BV)
-                    )
-                    for half in range(2)
-                ]
-                for nt in range(NT)
-            ]
-            b_row = [
-                mu.sigmoid_bf16x2_from_logit(
-                    _beta_bits(src, cur, row_tok0, acc_row(lane, half))
-                )
-                for half in range(2)
-            ]
-            gt = [
-                [
-                    mu.ld_shared_f32(cur + OFF_GT + (mt * 16 + acc_row(lane, half)) * 4)
-                    for half in range(2)
-                ]
-                for mt in range(8)
-            ]
             a_mqk = mu.ldmatrix_x4(cur + OFF_MQK + small_off)
-            # next chunk's kd / qd A operands, KD_AHEAD k-blocks ahead of their MMAs
-            a_next = {}
-
-            def load_next(kb):
-                if kb < 8:
-                    a_off = ldmatrix_a_offset(lane, kb)
-                    a_next[kb] = (
-                        mu.ldmatrix_x4(nxt + OFF_KD + a_off),
-                        mu.ldmatrix_x4(nxt + OFF_QD + a_off),
-                    )
-
-            for kb in range(KD_AHEAD):
-                load_next(kb)
+            b_row = []
+            for half in cutlass.range_constexpr(2):
+                r = acc_row(lane, half)
+                b_row.append(
+                    mu.sigmoid_bf16x2_from_logit(_beta_bits(src, cur, row_tok0, r))
+                )
 
             # u = bf16(bf16(v - P) * bf16(b)) (rows past the end: exactly 0); U = bf16(INV . u).
             ub = []
             for nt in cutlass.range_constexpr(NT):
                 u = []
                 for half in cutlass.range_constexpr(2):
+                    r = acc_row(lane, half)
+                    v = mu.ld_shared_b32(
+                        cur + V_OFF + v_smem_offset(r, col_w + nt * 8 + t2, BV)
+                    )
                     p = mu.pack_bf16x2(
                         p_acc[nt * 4 + 2 * half], p_acc[nt * 4 + 2 * half + 1]
                     )
-                    uu = mu.mul_bf16x2(mu.sub_bf16x2(v_raw[nt][half], p), b_row[half])
-                    u.append(
-                        mu.select_lt(row_tok0 + acc_row(lane, half), eos, uu, Int32(0))
-                    )
+                    uu = mu.mul_bf16x2(mu.sub_bf16x2(v, p), b_row[half])
+                    u.append(mu.select_lt(row_tok0 + r, eos, uu, Int32(0)))
                 u_acc = mu.mma_bf16_16816(
                     a_inv,
                     (mu.movmatrix_trans(u[0]), mu.movmatrix_trans(u[1])),
@@ -324,72 +291,63 @@ class KdaRecurrence:
                 big_u1 = mu.pack_bf16x2(u_acc[2], u_acc[3])
                 ub.append((mu.movmatrix_trans(big_u0), mu.movmatrix_trans(big_u1)))
 
-            # W = kr^T . U for all eight k-tiles at once: independent MMAs, pipelined.
-            w = [
-                [mu.mma_bf16_16816(a_krt[mt], ub[nt], [zero_f] * 4) for nt in range(NT)]
-                for mt in range(8)
-            ]
-            m_acc = [mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4) for nt in range(NT)]
+            # out = bf16(Oq + bf16(Mqk . U)), valid rows only, registers -> global.
+            for nt in cutlass.range_constexpr(NT):
+                m_acc = mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4)
+                for half in cutlass.range_constexpr(2):
+                    mq = mu.pack_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
+                    tok = row_tok0 + acc_row(lane, half)
+                    col = col_cta + col_w + nt * 8 + t2
+                    addr = (
+                        out_base
+                        + (
+                            (Int64(tok) * Int64(num_heads) + Int64(head)) * D
+                            + Int64(col)
+                        )
+                        * 2
+                    )
+                    oq = mu.pack_bf16x2(
+                        o_acc[nt * 4 + 2 * half], o_acc[nt * 4 + 2 * half + 1]
+                    )
+                    mu.st_global_b32_if(addr, mu.add_bf16x2(oq, mq), tok, eos)
 
-            # S[j, k] = bf16(fmaf(f32(S[j, k]), gt[k], W[k, j])), k-tile by k-tile, each tile
-            # feeding k-block mt of the next chunk's P and Oq at once. On the last chunk the
-            # next-chunk products read a duplicate of the last record and are discarded.
+            # S[j, k] = bf16(fmaf(f32(S[j, k]), gt[k], (kr^T . U)[k, j])), k-tile by k-tile, each
+            # tile feeding k-block mt of the next chunk's P and Oq at once. On the last chunk
+            # the next-chunk products read a duplicate of the last record and are discarded.
             p1 = [[zero_f] * 4 for _ in range(NT)]
             o1 = [[zero_f] * 4 for _ in range(NT)]
             for mt in cutlass.range_constexpr(8):
-                load_next(mt + KD_AHEAD)
-                a_kd, a_qd = a_next.pop(mt)
-                gt_lo, gt_hi = gt[mt]
+                a_krt = mu.ldmatrix_x4_trans(
+                    cur + OFF_KR + ldmatrix_krt_offset(lane, mt)
+                )
+                gt_lo = mu.ld_shared_f32(
+                    cur + OFF_GT + (mt * 16 + acc_row(lane, 0)) * 4
+                )
+                gt_hi = mu.ld_shared_f32(
+                    cur + OFF_GT + (mt * 16 + acc_row(lane, 1)) * 4
+                )
+                a_off = ldmatrix_a_offset(lane, mt)
+                a_kd = mu.ldmatrix_x4(nxt + OFF_KD + a_off)
+                a_qd = mu.ldmatrix_x4(nxt + OFF_QD + a_off)
                 for nt in cutlass.range_constexpr(NT):
+                    w = mu.mma_bf16_16816(a_krt, ub[nt], [zero_f] * 4)
                     i0 = state_reg(mt, nt, 0, NT)
                     i1 = state_reg(mt, nt, 1, NT)
                     s_lo = state[i0]
                     s_hi = state[i1]
-                    wt = w[mt][nt]
                     n_lo = mu.pack_bf16x2(
-                        mu.fma_ftz(mu.bf16_lo_to_f32(s_lo), gt_lo, wt[0]),
-                        mu.fma_ftz(mu.bf16_hi_to_f32(s_lo), gt_lo, wt[1]),
+                        mu.fma_ftz(mu.bf16_lo_to_f32(s_lo), gt_lo, w[0]),
+                        mu.fma_ftz(mu.bf16_hi_to_f32(s_lo), gt_lo, w[1]),
                     )
                     n_hi = mu.pack_bf16x2(
-                        mu.fma_ftz(mu.bf16_lo_to_f32(s_hi), gt_hi, wt[2]),
-                        mu.fma_ftz(mu.bf16_hi_to_f32(s_hi), gt_hi, wt[3]),
+                        mu.fma_ftz(mu.bf16_lo_to_f32(s_hi), gt_hi, w[2]),
+                        mu.fma_ftz(mu.bf16_hi_to_f32(s_hi), gt_hi, w[3]),
                     )
                     state[i0] = n_lo
                     state[i1] = n_hi
                     b = (mu.movmatrix_trans(n_lo), mu.movmatrix_trans(n_hi))
                     p1[nt] = mu.mma_bf16_16816(a_kd, b, p1[nt])
                     o1[nt] = mu.mma_bf16_16816(a_qd, b, o1[nt])
-                if mt == 0:
-                    # out = bf16(Oq + bf16(Mqk . U)), valid rows only, registers -> global;
-                    # issued in the shadow of the P(c+1) chain.
-                    for nt in cutlass.range_constexpr(NT):
-                        for half in cutlass.range_constexpr(2):
-                            mq = mu.pack_bf16x2(
-                                m_acc[nt][2 * half], m_acc[nt][2 * half + 1]
-                            )
-                            tok = row_tok0 + acc_row(lane, half)
-                            col = col_cta + col_w + nt * 8 + t2
-                            addr = (
-                                out_base
-                                + (
-                                    (Int64(tok) * Int64(num_heads) + Int64(head)) * D
-                                    + Int64(col)
-                                )
-                                * 2
-                            )
-                            oq = mu.pack_bf16x2(
-                                o_acc[nt * 4 + 2 * half], o_acc[nt * 4 + 2 * half + 1]
-                            )
-                            mu.st_global_b32_if(addr, mu.add_bf16x2(oq, mq), tok, eos)
-                if mt == 1:
-                    # refill the stage freed by the barrier (chunk c - 1's) with chunk
-                    # c + LOOKAHEAD, also in the shadow of the chain
-                    _load_stage(
-                        src,
-                        cutlass.min(c + LOOKAHEAD, last_chunk),
-                        ring + ((c + LOOKAHEAD) % STAGES) * STAGE_BYTES,
-                    )
-                    mu.cp_async_commit()
             for nt in cutlass.range_constexpr(NT):
                 for i in cutlass.range_constexpr(4):
                     p_acc[nt * 4 + i] = p1[nt][i]
