@@ -147,6 +147,21 @@ def device_supported(device) -> bool:
     )
 
 
+def visible_gpus() -> list:
+    """The CUDA devices JAX sees ([] on a CPU-only install)."""
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def kernel_gpus() -> list:
+    """The visible CUDA devices the built kernels run on ([] when the library is unavailable)."""
+    if not kernels_available():
+        return []
+    return [d for d in visible_gpus() if device_supported(d)]
+
+
 def workspace_slots(total_tokens: int, num_seqs: int) -> int:
     """Chunk slots of the workspace: ceil(T_total / 16) + N (docs/kernel_abi.md)."""
     return -(-total_tokens // CHUNK) + num_seqs

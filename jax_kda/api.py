@@ -135,11 +135,7 @@ def _kernels_fit_visible_gpus() -> bool:
     export), the kernels are kept for the CUDA platform."""
     from . import _ffi
 
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return True
-    return any(_ffi.device_supported(d) for d in gpus)
+    return not _ffi.visible_gpus() or bool(_ffi.kernel_gpus())
 
 
 def _require_kernels() -> None:
@@ -150,10 +146,10 @@ def _require_kernels() -> None:
             "kda_prefill(backend='kernel'): the GPU kernels are not available: "
             f"{_ffi.unavailable_reason()}. Use backend='auto' or 'reference'."
         )
-    if not any(d.platform == "gpu" for d in jax.devices()):
+    if not _ffi.kernel_gpus():
         raise KernelsUnavailableError(
-            "kda_prefill(backend='kernel') needs a CUDA GPU visible to JAX; found only "
-            f"{sorted({d.platform for d in jax.devices()})}. Use backend='auto' or 'reference'."
+            "kda_prefill(backend='kernel') needs a CUDA GPU with kernels built for it (sm_90, "
+            f"sm_100) visible to JAX; found {jax.devices()}. Use backend='auto' or 'reference'."
         )
 
 

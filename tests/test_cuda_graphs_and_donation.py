@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import _ffi, api
+from jax_kda import api
 
 B, T, H = 1, 20, 2
 
@@ -79,20 +79,10 @@ def test_donation_on_cpu_reference_path(state_dtype):
 # ------------------------------------------------------------------------------------ GPU
 
 
-def require_gpu_kernels():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus or not _ffi.kernels_available():
-        pytest.skip("needs a CUDA GPU and the built kernels")
-    return gpus[0]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_donated_state_becomes_final_state(state_dtype):
-    gpu = require_gpu_kernels()
+def test_gpu_donated_state_becomes_final_state(state_dtype, kernel_gpus):
+    gpu = kernel_gpus[0]
     args, state = jax.device_put(make_args(seed=2, b=2, t=300, h=6, state_dtype=state_dtype), gpu)
     want = prefill("kernel", donate=False)(*args, initial_state=state)
     donated = jnp.array(state, copy=True)
@@ -155,8 +145,7 @@ def run_graph_script(tmp_path, name, xla_flags):
 
 
 @pytest.mark.gpu
-def test_gpu_command_buffers_with_custom_calls_give_identical_results(tmp_path):
-    require_gpu_kernels()
+def test_gpu_command_buffers_with_custom_calls_give_identical_results(tmp_path, kernel_gpus):
     plain, _ = run_graph_script(tmp_path, "plain", "--xla_gpu_enable_command_buffer=")
     graphs, info = run_graph_script(
         tmp_path, "graphs",

@@ -93,13 +93,8 @@ def test_cpu_only_export_needs_no_disabled_checks():
 
 
 @pytest.mark.gpu
-def test_gpu_runs_a_deserialized_export():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus or not _ffi.kernels_available():
-        pytest.skip("needs a CUDA GPU and the built kernels")
+def test_gpu_runs_a_deserialized_export(kernel_gpus):
+    gpus = kernel_gpus
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
     args = jax.device_put(make_args(seed=4, t=300, h=6), gpus[0])
     exported = jax_kda.export.export(jax.jit(model), platforms=("cuda", "cpu"))(*args)

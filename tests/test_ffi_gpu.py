@@ -17,17 +17,9 @@ import pytest
 from jax_kda import _ffi
 
 
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not _ffi.kernels_available(), reason="FFI library not available"),
+    pytest.mark.usefixtures("kernel_gpus"),
 ]
 
 T, H, N = 70, 3, 2  # T not a multiple of 16, two sequences
@@ -100,11 +92,11 @@ def test_handler_attribute_errors_reach_python():
         jax.block_until_ready(jax.jit(lambda *a: call(*a, block_v=np.int32(48)))(v, beta, ws, cu, state0))
 
 
-@pytest.mark.skipif(len(_gpus()) < 2, reason="needs two GPUs")
+@pytest.mark.skipif(len(_ffi.kernel_gpus()) < 2, reason="needs two GPUs")
 def test_second_device_gets_its_own_modules():
     args = _inputs()
-    on0 = jax.jit(_run)(*jax.device_put(args, _gpus()[0]))
-    on1 = jax.jit(_run)(*jax.device_put(args, _gpus()[1]))
+    on0 = jax.jit(_run)(*jax.device_put(args, _ffi.kernel_gpus()[0]))
+    on1 = jax.jit(_run)(*jax.device_put(args, _ffi.kernel_gpus()[1]))
     for a, b in zip(on0, on1):
         np.testing.assert_array_equal(np.asarray(a.view(jnp.uint16)), np.asarray(b.view(jnp.uint16)))
 

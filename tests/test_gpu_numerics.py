@@ -23,17 +23,9 @@ from jax_kda import _ffi, oracle, reference
 from jax_kda.kernels import workspace_layout
 
 
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not _ffi.kernels_available(), reason=f"kernels unavailable: {_ffi.unavailable_reason()}"),
+    pytest.mark.usefixtures("kernel_gpus"),
 ]
 
 BLOCK_VS = _ffi.BLOCK_V_CHOICES

@@ -77,13 +77,8 @@ def test_kernel_backend_refuses_on_cpu():
 
 
 @pytest.mark.gpu
-def test_gpu_auto_runs_the_kernels():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus or not _ffi.kernels_available():
-        pytest.skip("needs a CUDA GPU and the built kernels")
+def test_gpu_auto_runs_the_kernels(kernel_gpus):
+    gpus = kernel_gpus
     args = jax.device_put(make_args(seed=3, t=300, h=6), gpus[0])
     auto = jax.jit(partial(kda, backend="auto"))
     assert kda_targets(auto.lower(*args).as_text()) == TARGETS

@@ -214,23 +214,9 @@ def test_plain_jit_kernel_path_sees_all_heads(monkeypatch):
 # ---------------------------------------------------------------------------------------- GPU
 
 
-def require_gpu_kernels():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus:
-        pytest.skip("no CUDA GPU visible to JAX")
-    from jax_kda import _ffi
-
-    if not _ffi.kernels_available():
-        pytest.skip(f"kernels unavailable: {_ffi.unavailable_reason()}")
-    return gpus
-
-
 @pytest.mark.gpu
-def test_gpu_one_device_mesh_equals_unsharded_kernel_call():
-    gpus = require_gpu_kernels()
+def test_gpu_one_device_mesh_equals_unsharded_kernel_call(kernel_gpus):
+    gpus = kernel_gpus
     mesh = jax.sharding.Mesh(np.array(gpus[:1]), ("tp",))
     args = make_args(t=300, h=12, seed=7)
     kernel = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))

@@ -295,13 +295,8 @@ def test_vmapped_head_parameters_lower_to_one_call_with_more_heads(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gpu_vmapped_kernels_equal_a_loop(varlen):
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus or not _ffi.kernels_available():
-        pytest.skip("needs a CUDA GPU and the built kernels")
+def test_gpu_vmapped_kernels_equal_a_loop(varlen, kernel_gpus):
+    gpus = kernel_gpus
     n, t, h = 3, 300, 6
     batch = make_batch(n, 1 if varlen else 2, t, h=h, seed=12)
     cu = varlen_cu([17, 0, 283]) if varlen else None
