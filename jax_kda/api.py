@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _batching, _checks, _launch, reference
+from ._manual_axes import vary_like
 
 
 class KdaInferenceOnlyError(NotImplementedError):
@@ -111,7 +112,7 @@ def _kernel_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, *, problem, inv
         scale=problem.scale, lower_bound=problem.lower_bound, inverse=inverse,
     )
     out, final_state = _ffi.recurrence_call(flat(v), flat(beta), workspace, cu, state, block_v=block_v)
-    return out.reshape(q.shape), final_state
+    return vary_like(out.reshape(q.shape), v), vary_like(final_state, v)
 
 
 def _pick_by_platform(kernel_fn, reference_fn, backend):

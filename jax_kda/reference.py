@@ -56,6 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._manual_axes import vary_like
+
 CHUNK = 16
 HEAD_DIM = 128
 INVERSE_VARIANTS = ("stable", "neumann")
@@ -399,14 +401,6 @@ def _prefill_chunked(q, k, v, g, beta, valid, A_log, dt_bias, state0, *, scale, 
     return recurrence_reference(ws, v, beta, state0)
 
 
-def _match_varying_axes(x, *, like):
-    """Inside shard_map, a freshly made array is replicated while the inputs vary over the manual
-    mesh axes; lax.scan needs its carry (the state) to vary like the per-chunk outputs."""
-    manual = getattr(jax.typeof(like), "manual_axis_type", None)  # jax 0.11; older: .vma
-    vma = tuple(manual.varying if manual is not None else getattr(jax.typeof(like), "vma", ()))
-    return lax.pcast(x, vma, to="varying") if vma else x
-
-
 def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound,
                           initial_state=None, cu_seqlens=None, inverse="stable"):
     """KDA prefill, chunkwise, with the kernels' roundings.
@@ -427,7 +421,7 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
         raise ValueError(f"head dim must be {HEAD_DIM}, got {D}")
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is None:
-        state0 = _match_varying_axes(_store_bf16(jnp.zeros((N, H, D, D))), like=v)
+        state0 = vary_like(_store_bf16(jnp.zeros((N, H, D, D))), v)
     else:
         state0 = _store_bf16(initial_state)
     num_chunks = -(-T // CHUNK)

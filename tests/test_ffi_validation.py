@@ -228,7 +228,7 @@ def test_misaligned_operand_is_refused():
 @pytest.mark.parametrize("call", [recurrence, prepare])
 def test_valid_call_passes_validation_and_stops_at_the_missing_gpu(call):
     error = call()
-    assert error is not None and "cudaStreamGetDevice" in error, error
+    assert error is not None and "cudaGetDevice" in error, error  # the first CUDA call
 
 
 def test_empty_head_count_is_a_no_op():
