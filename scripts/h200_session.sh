@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched H200 call (device time is scarce): GPU tests, a compute-sanitizer pass on a small
 # shape, then the benchmark with fla alongside. Needs carry=[".whl", ".carry"]; see gpu_roundtrip.sh.
-#   STAGES: any of "tests sanitizer bench multigpu" (default: the first three)
+#   STAGES: any of "tests sanitizer bench multigpu profile" (default: tests sanitizer bench)
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$REPO/gpu_out}"; mkdir -p "$OUT"
@@ -27,6 +27,13 @@ for stage in $STAGES; do
       echo "== multi-GPU sharded check"
       (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 240 python3 "$REPO/scripts/multi_gpu_check.py" "$OUT/multi_gpu.json")
       echo "multi-GPU exit $?" ;;
+    profile)  # Nsight Compute on one recurrence launch: where the per-chunk cycles go
+      site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$REPO"/.whl/jax_kda-*.whl
+      echo "== ncu, recurrence, T=8192, 12 heads"
+      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 150 ncu --clock-control none -k regex:Recurrence -c 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+        --section WarpStateStats python3 "$REPO/scripts/profile_case.py") > "$OUT/ncu_recurrence.txt" 2>&1
+      echo "ncu exit $?"; grep -E "Duration|Issue Slots|Eligible|Active Warps|Stall|No Eligible|Registers|Block Size|Grid Size" "$OUT/ncu_recurrence.txt" | head -40 ;;
     bench) JAX_KDA_BENCH_ARGS="${JAX_KDA_BENCH_ARGS:---preset baselines --compare fla --out $OUT/bench --no-progress --no-plot}" \
         BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu bench ;;
   esac
