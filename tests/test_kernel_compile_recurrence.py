@@ -300,6 +300,23 @@ def test_accumulator_to_b_operand_is_a_transpose():
     np.testing.assert_array_equal(np.stack(d), np.stack(c))
 
 
+@pytest.mark.parametrize("n_tiles", [1, 2])
+def test_carried_chunk_operands_split_back_in_load_order(n_tiles):
+    """The flat register list carried across the loop back-edge (_chunk_operands order: v per
+    n-tile and half, b per half, INV, Mqk, kr^T per k-tile, row mask per half) comes apart into
+    exactly those pieces, every register used once."""
+    n = rec._chunk_operand_count(n_tiles)
+    v, b, inv, mqk, krt, row_mask = rec._split_operands(list(range(n)), n_tiles)
+    assert [x for pair in v for x in pair] == list(range(2 * n_tiles))
+    at = 2 * n_tiles
+    assert b == [at, at + 1]
+    assert inv == list(range(at + 2, at + 6))
+    assert mqk == list(range(at + 6, at + 10))
+    assert [x for frag in krt for x in frag] == list(range(at + 10, n - 2))
+    assert len(krt) == 8 and all(len(frag) == 4 for frag in krt)
+    assert row_mask == [n - 2, n - 1]
+
+
 def test_ldmatrix_offsets_cover_the_swizzled_tile_once():
     """Per k-block, the 32 row addresses are distinct 16-byte granules of the right rows."""
     for kb in range(8):

@@ -13,11 +13,14 @@ Warps per CTA x columns per warp (warp_split): block_v 16 -> 2 x 8 (no idle half
 arithmetic (MMA k-block order, every rounding) is the same for every block_v, so out and the
 final state are bitwise independent of block_v.
 
-Software pipeline (iteration c of the chunk loop; P(c), Oq(c) were computed by iteration c - 1):
-  u(c), U(c) -> out(c) -> for k-tile mt = 0..7: state tile mt of chunk c, movmatrix, MMA k-block
-  mt of P(c+1) and Oq(c+1).
-so the next chunk's 8-deep P chain starts as soon as the first updated state tile exists, and the
-per-chunk barrier sits off the serial chain (warps reach it while their MMAs are in flight).
+Software pipeline (iteration c of the chunk loop; P(c), Oq(c) were computed by iteration c - 1,
+and so were chunk c's shared-memory operands v, beta, INV, Mqk, kr^T, gt, read into registers):
+  u(c), U(c) -> W = kr^T . U(c) for all 8 k-tiles (independent MMAs) -> for k-tile mt = 0..7:
+  state tile mt of chunk c, movmatrix, MMA k-block mt of P(c+1) and Oq(c+1); out(c), the stage
+  refill and the reads of chunk c+1's operands go in the shadow of that chain.
+The loop-carried serial chain is P(c) -> u -> INV.u -> U -> W tile 0 -> S tile 0 -> 8 dependent
+P MMAs; nothing on it waits for shared memory, and the per-chunk barrier sits off it (warps reach
+it while their MMAs are in flight). docs/perf_notes.md has the SASS analysis.
 
 Shared memory: a ring of STAGES stages, each holding the chunk's 13,824-byte workspace record
 (byte-exact copy, docs/kernel_abi.md), the chunk's v rows of this CTA's columns and its 16 beta
@@ -39,8 +42,11 @@ RECORD_BYTES = 13824  # one workspace record per (head, chunk slot)
 OFF_KD, OFF_QD, OFF_KR, OFF_GT, OFF_INV, OFF_MQK = 0, 4096, 8192, 12288, 12800, 13312
 GRANULES = RECORD_BYTES // 16  # 16-byte cp.async copies per record
 STAGES = 5  # smem ring depth
-# Iteration c reads stages c and c+1 and refills the stage of chunk c + LOOKAHEAD (freed by c-1).
+# Iteration c reads stage c+1 only (chunk c's operands were read in iteration c-1) and refills
+# the stage of chunk c + LOOKAHEAD (= chunk c-1's, last read in iteration c-2).
 LOOKAHEAD = STAGES - 1
+# The next chunk's kd / qd A operands are loaded this many k-blocks ahead of their MMAs.
+KD_AHEAD = 2
 BLOCK_V_CHOICES = (16, 32, 64, 128)
 
 
@@ -189,7 +195,14 @@ class KdaRecurrence:
             v_off=V_OFF,
             beta_off=BETA_OFF,
         )
-        out_base = mOut.iterator.toint()
+        # out[tok, head, col] lives at out_lane[nt] + tok * out_row_bytes (this lane's column
+        # of n-tile nt)
+        out_row_bytes = Int64(num_heads) * (D * 2)
+        out_lane = [
+            mOut.iterator.toint()
+            + (Int64(head) * D + Int64(col_cta + col_w + nt * 8 + t2)) * 2
+            for nt in range(NT)
+        ]
         state_off = (Int64(seq) * Int64(num_heads) + Int64(head)) * (D * D)
         s0_base = mState0.iterator.toint() + state_off * 2
         sT_base = mStateT.iterator.toint() + state_off * 2
@@ -197,7 +210,6 @@ class KdaRecurrence:
         ring = (
             SmemAllocator().allocate(STAGES * STAGE_BYTES, byte_alignment=128).toint()
         )
-        small_off = ldmatrix_small_offset(lane)
 
         # ---- initial state -> registers, accumulator layout (16-bit loads, once) ----
         state = cute.make_rmem_tensor(cute.make_layout(8 * NT * 2), Int32)
@@ -217,6 +229,12 @@ class KdaRecurrence:
         p_acc = cute.make_rmem_tensor(cute.make_layout(4 * NT), Float32)
         o_acc = cute.make_rmem_tensor(cute.make_layout(4 * NT), Float32)
         zero_f = Float32(0.0)
+        # Chunk c's shared-memory operands of the serial chain (v, bf16(beta), INV, Mqk, kr^T,
+        # gt), read in iteration c - 1 (or the prologue), before the barrier that ptxas cannot
+        # move loads across, so that none of them is waited for after P(c) is known.
+        n_ops = _chunk_operand_count(NT)
+        ops_in = cute.make_rmem_tensor(cute.make_layout(n_ops), Int32)
+        gt_in = cute.make_rmem_tensor(cute.make_layout(16), Float32)
 
         if num_chunks > 0:
             for s in cutlass.range_constexpr(LOOKAHEAD):
@@ -243,45 +261,46 @@ class KdaRecurrence:
                 for i in cutlass.range_constexpr(4):
                     p_acc[nt * 4 + i] = p0[nt][i]
                     o_acc[nt * 4 + i] = o0[nt][i]
+            ops0, gt0 = _chunk_operands(src, ring, bos, lane, col_w, NT)
+            for i in cutlass.range_constexpr(n_ops):
+                ops_in[i] = ops0[i]
+            for i in cutlass.range_constexpr(16):
+                gt_in[i] = gt0[i]
 
         for c in range(num_chunks):
-            # Chunk c+1 visible to all; the stage of chunk c-1 is free: refill it.
+            # Chunk c+1 visible to all; the stage of chunk c-1 is free (refilled further down).
             mu.cp_async_wait(LOOKAHEAD - 2)
             mu.cta_barrier()
-            _load_stage(
-                src,
-                cutlass.min(c + LOOKAHEAD, last_chunk),
-                ring + ((c + LOOKAHEAD) % STAGES) * STAGE_BYTES,
-            )
-            mu.cp_async_commit()
-            cur = ring + (c % STAGES) * STAGE_BYTES
             nxt = ring + ((c + 1) % STAGES) * STAGE_BYTES
             row_tok0 = bos + c * CHUNK
 
-            # Chunk c's operands (none depends on the serial chain).
-            a_inv = mu.ldmatrix_x4(cur + OFF_INV + small_off)
-            a_mqk = mu.ldmatrix_x4(cur + OFF_MQK + small_off)
-            b_row = []
-            for half in cutlass.range_constexpr(2):
-                r = acc_row(lane, half)
-                b_row.append(
-                    mu.sigmoid_bf16x2_from_logit(_beta_bits(src, cur, row_tok0, r))
-                )
+            # A warp issues in order and is alone on its SM sub-partition, so whatever waits in
+            # the instruction stream delays everything behind it. Chunk c's shared-memory
+            # operands were read in iteration c - 1, before this barrier (ptxas moves no load
+            # across it), so the serial chain
+            #   P(c) -> u -> INV.u -> U -> kr^T.U -> S tile mt -> P(c+1) k-block mt (mt = 0..7)
+            # never waits for shared memory. Only the order of independent instructions differs
+            # from the plain version; each column's MMA k-block order and every rounding are the
+            # same.
+            v_in, b_in, a_inv, a_mqk, a_krt, row_mask = _split_operands(
+                [ops_in[i] for i in range(n_ops)], NT
+            )
+            gt = [[gt_in[2 * mt + half] for half in range(2)] for mt in range(8)]
+            # next chunk's kd / qd A operands, KD_AHEAD k-blocks ahead of their MMAs
+            a_next = [None] * 8
+            for kb in cutlass.range_constexpr(KD_AHEAD):
+                a_next[kb] = _next_chunk_operands(nxt, lane, kb)
 
             # u = bf16(bf16(v - P) * bf16(b)) (rows past the end: exactly 0); U = bf16(INV . u).
             ub = []
             for nt in cutlass.range_constexpr(NT):
                 u = []
                 for half in cutlass.range_constexpr(2):
-                    r = acc_row(lane, half)
-                    v = mu.ld_shared_b32(
-                        cur + V_OFF + v_smem_offset(r, col_w + nt * 8 + t2, BV)
-                    )
                     p = mu.pack_bf16x2(
                         p_acc[nt * 4 + 2 * half], p_acc[nt * 4 + 2 * half + 1]
                     )
-                    uu = mu.mul_bf16x2(mu.sub_bf16x2(v, p), b_row[half])
-                    u.append(mu.select_lt(row_tok0 + r, eos, uu, Int32(0)))
+                    uu = mu.mul_bf16x2(mu.sub_bf16x2(v_in[nt][half], p), b_in[half])
+                    u.append(uu & row_mask[half])  # rows past the end: exactly 0
                 u_acc = mu.mma_bf16_16816(
                     a_inv,
                     (mu.movmatrix_trans(u[0]), mu.movmatrix_trans(u[1])),
@@ -291,63 +310,76 @@ class KdaRecurrence:
                 big_u1 = mu.pack_bf16x2(u_acc[2], u_acc[3])
                 ub.append((mu.movmatrix_trans(big_u0), mu.movmatrix_trans(big_u1)))
 
-            # out = bf16(Oq + bf16(Mqk . U)), valid rows only, registers -> global.
-            for nt in cutlass.range_constexpr(NT):
-                m_acc = mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4)
-                for half in cutlass.range_constexpr(2):
-                    mq = mu.pack_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
-                    tok = row_tok0 + acc_row(lane, half)
-                    col = col_cta + col_w + nt * 8 + t2
-                    addr = (
-                        out_base
-                        + (
-                            (Int64(tok) * Int64(num_heads) + Int64(head)) * D
-                            + Int64(col)
-                        )
-                        * 2
-                    )
-                    oq = mu.pack_bf16x2(
-                        o_acc[nt * 4 + 2 * half], o_acc[nt * 4 + 2 * half + 1]
-                    )
-                    mu.st_global_b32_if(addr, mu.add_bf16x2(oq, mq), tok, eos)
+            # W = kr^T . U for all eight k-tiles at once: independent MMAs, pipelined.
+            w = [
+                [mu.mma_bf16_16816(a_krt[mt], ub[nt], [zero_f] * 4) for nt in range(NT)]
+                for mt in range(8)
+            ]
+            m_acc = [mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4) for nt in range(NT)]
 
-            # S[j, k] = bf16(fmaf(f32(S[j, k]), gt[k], (kr^T . U)[k, j])), k-tile by k-tile, each
-            # tile feeding k-block mt of the next chunk's P and Oq at once. On the last chunk
-            # the next-chunk products read a duplicate of the last record and are discarded.
+            # S[j, k] = bf16(fmaf(f32(S[j, k]), gt[k], W[k, j])), k-tile by k-tile, each tile
+            # feeding k-block mt of the next chunk's P and Oq at once. On the last chunk the
+            # next-chunk products read a duplicate of the last record and are discarded.
             p1 = [[zero_f] * 4 for _ in range(NT)]
             o1 = [[zero_f] * 4 for _ in range(NT)]
             for mt in cutlass.range_constexpr(8):
-                a_krt = mu.ldmatrix_x4_trans(
-                    cur + OFF_KR + ldmatrix_krt_offset(lane, mt)
-                )
-                gt_lo = mu.ld_shared_f32(
-                    cur + OFF_GT + (mt * 16 + acc_row(lane, 0)) * 4
-                )
-                gt_hi = mu.ld_shared_f32(
-                    cur + OFF_GT + (mt * 16 + acc_row(lane, 1)) * 4
-                )
-                a_off = ldmatrix_a_offset(lane, mt)
-                a_kd = mu.ldmatrix_x4(nxt + OFF_KD + a_off)
-                a_qd = mu.ldmatrix_x4(nxt + OFF_QD + a_off)
+                if cutlass.const_expr(mt + KD_AHEAD < 8):
+                    a_next[mt + KD_AHEAD] = _next_chunk_operands(
+                        nxt, lane, mt + KD_AHEAD
+                    )
+                a_kd, a_qd = a_next[mt]
+                gt_lo, gt_hi = gt[mt]
                 for nt in cutlass.range_constexpr(NT):
-                    w = mu.mma_bf16_16816(a_krt, ub[nt], [zero_f] * 4)
                     i0 = state_reg(mt, nt, 0, NT)
                     i1 = state_reg(mt, nt, 1, NT)
                     s_lo = state[i0]
                     s_hi = state[i1]
+                    wt = w[mt][nt]
                     n_lo = mu.pack_bf16x2(
-                        mu.fma_ftz(mu.bf16_lo_to_f32(s_lo), gt_lo, w[0]),
-                        mu.fma_ftz(mu.bf16_hi_to_f32(s_lo), gt_lo, w[1]),
+                        mu.fma_ftz(mu.bf16_lo_to_f32(s_lo), gt_lo, wt[0]),
+                        mu.fma_ftz(mu.bf16_hi_to_f32(s_lo), gt_lo, wt[1]),
                     )
                     n_hi = mu.pack_bf16x2(
-                        mu.fma_ftz(mu.bf16_lo_to_f32(s_hi), gt_hi, w[2]),
-                        mu.fma_ftz(mu.bf16_hi_to_f32(s_hi), gt_hi, w[3]),
+                        mu.fma_ftz(mu.bf16_lo_to_f32(s_hi), gt_hi, wt[2]),
+                        mu.fma_ftz(mu.bf16_hi_to_f32(s_hi), gt_hi, wt[3]),
                     )
                     state[i0] = n_lo
                     state[i1] = n_hi
                     b = (mu.movmatrix_trans(n_lo), mu.movmatrix_trans(n_hi))
                     p1[nt] = mu.mma_bf16_16816(a_kd, b, p1[nt])
                     o1[nt] = mu.mma_bf16_16816(a_qd, b, o1[nt])
+                if cutlass.const_expr(mt == 0):
+                    # out = bf16(Oq + bf16(Mqk . U)), valid rows only, registers -> global;
+                    # issued in the shadow of the P(c+1) chain.
+                    for nt in cutlass.range_constexpr(NT):
+                        for half in cutlass.range_constexpr(2):
+                            mq = mu.pack_bf16x2(
+                                m_acc[nt][2 * half], m_acc[nt][2 * half + 1]
+                            )
+                            tok = row_tok0 + acc_row(lane, half)
+                            addr = out_lane[nt] + Int64(tok) * out_row_bytes
+                            oq = mu.pack_bf16x2(
+                                o_acc[nt * 4 + 2 * half], o_acc[nt * 4 + 2 * half + 1]
+                            )
+                            mu.st_global_b32_if(addr, mu.add_bf16x2(oq, mq), tok, eos)
+                if cutlass.const_expr(mt == 1):
+                    # refill the stage freed by the barrier (chunk c - 1's) with chunk
+                    # c + LOOKAHEAD, also in the shadow of the chain
+                    _load_stage(
+                        src,
+                        cutlass.min(c + LOOKAHEAD, last_chunk),
+                        ring + ((c + LOOKAHEAD) % STAGES) * STAGE_BYTES,
+                    )
+                    mu.cp_async_commit()
+                if cutlass.const_expr(mt == 2):
+                    # chunk c+1's operands (on the last chunk: a duplicate, never used)
+                    ops1, gt1 = _chunk_operands(
+                        src, nxt, row_tok0 + CHUNK, lane, col_w, NT
+                    )
+                    for i in cutlass.range_constexpr(n_ops):
+                        ops_in[i] = ops1[i]
+                    for i in cutlass.range_constexpr(16):
+                        gt_in[i] = gt1[i]
             for nt in cutlass.range_constexpr(NT):
                 for i in cutlass.range_constexpr(4):
                     p_acc[nt * 4 + i] = p1[nt][i]
@@ -413,6 +445,65 @@ def _load_stage(src, chunk, stage):
         mu.beta_to_shared_if(
             stage + src.beta_off + src.tid * 4, elem_addr, async_ok, tok, limit
         )
+
+
+def _chunk_operand_count(n_tiles):
+    """Int32 registers of _chunk_operands: v (2 per n-tile), b (2), INV (4), Mqk (4), kr^T (32),
+    row masks (2)."""
+    return 2 * n_tiles + 2 + 4 + 4 + 32 + 2
+
+
+def _chunk_operands(src, stage, row_tok0, lane, col_w, n_tiles):
+    """The chunk-c operands one lane needs from the stage of chunk c (first token row_tok0):
+    a flat Int32 list (see _split_operands) and gt of the lane's two rows per k-tile
+    ([2 * mt + half], Float32)."""
+    ints = []
+    for nt in range(n_tiles):
+        for half in range(2):
+            col = col_w + nt * 8 + acc_col(lane)
+            ints.append(
+                mu.ld_shared_b32(
+                    stage
+                    + src.v_off
+                    + v_smem_offset(acc_row(lane, half), col, src.block_v)
+                )
+            )
+    for half in range(2):
+        bits = _beta_bits(src, stage, row_tok0, acc_row(lane, half))
+        ints.append(mu.sigmoid_bf16x2_from_logit(bits))
+    small_off = ldmatrix_small_offset(lane)
+    ints += mu.ldmatrix_x4(stage + OFF_INV + small_off)
+    ints += mu.ldmatrix_x4(stage + OFF_MQK + small_off)
+    for mt in range(8):
+        ints += mu.ldmatrix_x4_trans(stage + OFF_KR + ldmatrix_krt_offset(lane, mt))
+    for half in range(2):  # all ones for rows before the sequence end, else 0
+        row = row_tok0 + acc_row(lane, half)
+        ints.append(mu.select_lt(row, src.eos, Int32(-1), Int32(0)))
+    gt = [
+        mu.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, half)) * 4)
+        for mt in range(8)
+        for half in range(2)
+    ]
+    return ints, gt
+
+
+def _split_operands(ints, n_tiles):
+    """(v[nt][half], b[half], INV A operand, Mqk A operand, kr^T A operands [mt],
+    row masks [half])."""
+    v = [ints[2 * nt : 2 * nt + 2] for nt in range(n_tiles)]
+    at = 2 * n_tiles
+    b = ints[at : at + 2]
+    inv = ints[at + 2 : at + 6]
+    mqk = ints[at + 6 : at + 10]
+    krt = [ints[at + 10 + 4 * mt : at + 14 + 4 * mt] for mt in range(8)]
+    row_mask = ints[at + 42 : at + 44]
+    return v, b, inv, mqk, krt, row_mask
+
+
+def _next_chunk_operands(nxt, lane, kb):
+    """(kd, qd) A operands of k-block kb from the next chunk's stage."""
+    a_off = ldmatrix_a_offset(lane, kb)
+    return mu.ldmatrix_x4(nxt + OFF_KD + a_off), mu.ldmatrix_x4(nxt + OFF_QD + a_off)
 
 
 def _beta_bits(src, stage, row_tok0, r):
