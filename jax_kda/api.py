@@ -85,6 +85,9 @@ def kda_prefill(
     return out, final_state.astype(problem.state_dtype)
 
 
+# Jitted so that eager calls compile once per shape instead of dispatching op by op (seconds per
+# call on CPU); inside an outer jit it is simply inlined.
+@functools.partial(jax.jit, static_argnames=("problem", "inverse"))
 def _reference_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, *, problem, inverse):
     return reference.kda_prefill_reference(
         q, k, v, g, beta, A_log, dt_bias, scale=problem.scale, lower_bound=problem.lower_bound,

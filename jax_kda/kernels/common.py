@@ -34,13 +34,14 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 LOG2E = 1.4426950408889634  # rounded to f32 (0x3FB8AA3B) where used
 
 
-def _asm(ret_type, operands, text, constraints, loc, ip):
+def _asm(ret_type, operands, text, constraints, loc, ip, *, side_effects=False):
+    """One inline-asm op; `side_effects` for memory and barrier instructions."""
     return llvm.inline_asm(
         ret_type,
         operands,
         text,
         constraints,
-        has_side_effects=False,
+        has_side_effects=side_effects,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
@@ -59,6 +60,31 @@ def _i16(x, dtype, loc, ip):
 
 def _from_i16(v, dtype, loc, ip):
     return dtype(llvm.bitcast(dtype.mlir_type, v, loc=loc, ip=ip))
+
+
+def _f32_unary(text, x, loc, ip):
+    """One one-operand f32 instruction `text` ("$0, $1" operands)."""
+    return Float32(_asm(T.f32(), [_f32(x, loc, ip)], text, "=f,f", loc, ip))
+
+
+def _f32_binary(text, a, b, loc, ip):
+    """One two-operand f32 instruction `text` ("$0, $1, $2" operands)."""
+    return Float32(
+        _asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], text, "=f,f,f", loc, ip)
+    )
+
+
+def _f32_to_16(text, x, dtype, loc, ip):
+    """One f32 -> 16-bit float (`dtype`) conversion `text` ("$0, $1" operands)."""
+    return _from_i16(
+        _asm(T.i16(), [_f32(x, loc, ip)], text, "=h,f", loc, ip), dtype, loc, ip
+    )
+
+
+def _f16_binary(text, a, b, dtype, loc, ip):
+    """One two-operand instruction `text` on 16-bit floats of `dtype` (bf16 or f16)."""
+    operands = [_i16(a, dtype, loc, ip), _i16(b, dtype, loc, ip)]
+    return _from_i16(_asm(T.i16(), operands, text, "=h,h,h", loc, ip), dtype, loc, ip)
 
 
 # ---------------------------------------------------------------- bit casts
@@ -111,23 +137,13 @@ def f16_to_f32(x, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def f32_to_bf16(x, *, loc=None, ip=None) -> BFloat16:
     """bf16(x): round to nearest even."""
-    return _from_i16(
-        _asm(T.i16(), [_f32(x, loc, ip)], "cvt.rn.bf16.f32 $0, $1;", "=h,f", loc, ip),
-        BFloat16,
-        loc,
-        ip,
-    )
+    return _f32_to_16("cvt.rn.bf16.f32 $0, $1;", x, BFloat16, loc, ip)
 
 
 @dsl_user_op
 def f32_to_f16(x, *, loc=None, ip=None) -> Float16:
     """f16(x): round to nearest even (subnormal results kept)."""
-    return _from_i16(
-        _asm(T.i16(), [_f32(x, loc, ip)], "cvt.rn.f16.f32 $0, $1;", "=h,f", loc, ip),
-        Float16,
-        loc,
-        ip,
-    )
+    return _f32_to_16("cvt.rn.f16.f32 $0, $1;", x, Float16, loc, ip)
 
 
 @dsl_user_op
@@ -155,31 +171,13 @@ def round_bf16(x, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def fadd(a, b, *, loc=None, ip=None) -> Float32:
     """a + b (add.rn.ftz.f32), never fused into an FMA."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [_f32(a, loc, ip), _f32(b, loc, ip)],
-            "add.rn.ftz.f32 $0, $1, $2;",
-            "=f,f,f",
-            loc,
-            ip,
-        )
-    )
+    return _f32_binary("add.rn.ftz.f32 $0, $1, $2;", a, b, loc, ip)
 
 
 @dsl_user_op
 def fmul(a, b, *, loc=None, ip=None) -> Float32:
     """a * b (mul.rn.ftz.f32), never fused into an FMA."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [_f32(a, loc, ip), _f32(b, loc, ip)],
-            "mul.rn.ftz.f32 $0, $1, $2;",
-            "=f,f,f",
-            loc,
-            ip,
-        )
-    )
+    return _f32_binary("mul.rn.ftz.f32 $0, $1, $2;", a, b, loc, ip)
 
 
 @dsl_user_op
@@ -225,27 +223,19 @@ def gate_scale_from_lower_bound(lower_bound, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def ex2_approx(x, *, loc=None, ip=None) -> Float32:
     """ex2.approx.ftz.f32."""
-    return Float32(
-        _asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", loc, ip)
-    )
+    return _f32_unary("ex2.approx.ftz.f32 $0, $1;", x, loc, ip)
 
 
 @dsl_user_op
 def tanh_approx(x, *, loc=None, ip=None) -> Float32:
     """tanh.approx.f32."""
-    return Float32(
-        _asm(T.f32(), [_f32(x, loc, ip)], "tanh.approx.f32 $0, $1;", "=f,f", loc, ip)
-    )
+    return _f32_unary("tanh.approx.f32 $0, $1;", x, loc, ip)
 
 
 @dsl_user_op
 def rsqrt_approx(x, *, loc=None, ip=None) -> Float32:
     """rsqrt.approx.ftz.f32."""
-    return Float32(
-        _asm(
-            T.f32(), [_f32(x, loc, ip)], "rsqrt.approx.ftz.f32 $0, $1;", "=f,f", loc, ip
-        )
-    )
+    return _f32_unary("rsqrt.approx.ftz.f32 $0, $1;", x, loc, ip)
 
 
 @dsl_user_op
@@ -259,55 +249,19 @@ def sigmoid(x, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def bf16_mul(a, b, *, loc=None, ip=None) -> BFloat16:
     """bf16(a * b) for bf16 a, b (mul.rn.bf16: one rounding, subnormals kept)."""
-    return _from_i16(
-        _asm(
-            T.i16(),
-            [_i16(a, BFloat16, loc, ip), _i16(b, BFloat16, loc, ip)],
-            "mul.rn.bf16 $0, $1, $2;",
-            "=h,h,h",
-            loc,
-            ip,
-        ),
-        BFloat16,
-        loc,
-        ip,
-    )
+    return _f16_binary("mul.rn.bf16 $0, $1, $2;", a, b, BFloat16, loc, ip)
 
 
 @dsl_user_op
 def f16_mul(a, b, *, loc=None, ip=None) -> Float16:
     """f16(a * b) (mul.rn.f16, no flush)."""
-    return _from_i16(
-        _asm(
-            T.i16(),
-            [_i16(a, Float16, loc, ip), _i16(b, Float16, loc, ip)],
-            "mul.rn.f16 $0, $1, $2;",
-            "=h,h,h",
-            loc,
-            ip,
-        ),
-        Float16,
-        loc,
-        ip,
-    )
+    return _f16_binary("mul.rn.f16 $0, $1, $2;", a, b, Float16, loc, ip)
 
 
 @dsl_user_op
 def f16_add(a, b, *, loc=None, ip=None) -> Float16:
     """f16(a + b) (add.rn.f16, no flush)."""
-    return _from_i16(
-        _asm(
-            T.i16(),
-            [_i16(a, Float16, loc, ip), _i16(b, Float16, loc, ip)],
-            "add.rn.f16 $0, $1, $2;",
-            "=h,h,h",
-            loc,
-            ip,
-        ),
-        Float16,
-        loc,
-        ip,
-    )
+    return _f16_binary("add.rn.f16 $0, $1, $2;", a, b, Float16, loc, ip)
 
 
 @dsl_user_op

@@ -3,6 +3,8 @@
 Every helper emits exactly one PTX instruction (or a tiny predicated group), so the rounding and
 the instruction that performs it are pinned: no compiler contraction or f32 promotion can change
 a bit. Values travel as Int32 registers holding packed bf16x2 (low half = lower index) or Float32.
+The scalar conversions and f32 arithmetic that prepare.py also uses (pack_bf16x2, the exact bf16
+widenings, fma_ftz) come from common.py, so each instruction is written down once.
 
 Fragment layouts of `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` (PTX ISA, "Matrix
 fragments for mma.m16n8k16 with floating point type"); lane = 0..31, g = lane // 4, t = lane % 4:
@@ -28,25 +30,12 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-
-def _asm(res_type, operands, text, constraints, side_effects):
-    return llvm.inline_asm(
-        res_type,
-        operands,
-        text,
-        constraints,
-        has_side_effects=side_effects,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+from . import common
+from .common import _asm, _f32
 
 
 def _i32(x, loc, ip):
     return Int32(x).ir_value(loc=loc, ip=ip)
-
-
-def _f32(x, loc, ip):
-    return Float32(x).ir_value(loc=loc, ip=ip)
 
 
 def _i64(x, loc, ip):
@@ -55,6 +44,58 @@ def _i64(x, loc, ip):
 
 def _unpack(struct_val, elem_type, n, wrap):
     return [wrap(llvm.extractvalue(elem_type, struct_val, [i])) for i in range(n)]
+
+
+def _b32_op(operands, text, constraints, loc, ip):
+    """A register-only instruction (group) with one .b32 result, as an Int32."""
+    return Int32(_asm(T.i32(), operands, text, constraints, loc, ip))
+
+
+def _bf16x2_op(text, a, b, loc, ip):
+    """A two-operand bf16x2 instruction `text` ("$0, $1, $2" operands)."""
+    return _b32_op([_i32(a, loc, ip), _i32(b, loc, ip)], text, "=r,r,r", loc, ip)
+
+
+def _load(wrap, ret_type, address, text, constraints, loc, ip):
+    """A load (group) with one result, ordered against the other memory asm."""
+    return wrap(
+        _asm(
+            ret_type,
+            [address],
+            text,
+            constraints + ",~{memory}",
+            loc,
+            ip,
+            side_effects=True,
+        )
+    )
+
+
+def _store(operands, text, constraints, loc, ip):
+    """A memory or barrier instruction group without a result. NVVM inline asm needs one, so it
+    writes a dummy $0 and the operands start at $1."""
+    _asm(
+        T.i32(),
+        operands,
+        text + "\n\tmov.b32 $0, 0;",
+        ",".join(c for c in ("=r", constraints, "~{memory}") if c),
+        loc,
+        ip,
+        side_effects=True,
+    )
+
+
+def _ldmatrix_x4(text, smem_addr, loc, ip):
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_i32(smem_addr, loc, ip)],
+        text,
+        "=r,=r,=r,=r,r,~{memory}",
+        loc,
+        ip,
+        side_effects=True,
+    )
+    return _unpack(res, T.i32(), 4, Int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,7 +112,8 @@ def mma_bf16_16816(a, b, c, *, loc=None, ip=None):
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        False,
+        loc,
+        ip,
     )
     return _unpack(res, T.f32(), 4, Float32)
 
@@ -79,14 +121,12 @@ def mma_bf16_16816(a, b, c, *, loc=None, ip=None):
 @dsl_user_op
 def movmatrix_trans(x, *, loc=None, ip=None):
     """8x8 fragment of X -> 8x8 fragment of X^T, inside registers (one warp, all lanes)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i32(x, loc, ip)],
-            "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-            "=r,r",
-            False,
-        )
+    return _b32_op(
+        [_i32(x, loc, ip)],
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+        "=r,r",
+        loc,
+        ip,
     )
 
 
@@ -95,88 +135,34 @@ def movmatrix_trans(x, *, loc=None, ip=None):
 # ----------------------------------------------------------------------------------------------
 @dsl_user_op
 def pack_bf16x2(lo, hi, *, loc=None, ip=None):
-    """bf16x2 {lo -> bits 0..15, hi -> bits 16..31}, each round-to-nearest-even from f32."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_f32(hi, loc, ip), _f32(lo, loc, ip)],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-            False,
-        )
-    )
+    """common.pack_bf16x2 as an Int32 register (the type every fragment here travels in)."""
+    return Int32(common.pack_bf16x2(lo, hi, loc=loc, ip=ip))
 
 
 @dsl_user_op
 def sub_bf16x2(a, b, *, loc=None, ip=None):
     """a - b per half, rounded once to bf16 (no flush)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i32(a, loc, ip), _i32(b, loc, ip)],
-            "sub.rn.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-            False,
-        )
-    )
+    return _bf16x2_op("sub.rn.bf16x2 $0, $1, $2;", a, b, loc, ip)
 
 
 @dsl_user_op
 def mul_bf16x2(a, b, *, loc=None, ip=None):
     """a * b per half, rounded once to bf16 (no flush)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i32(a, loc, ip), _i32(b, loc, ip)],
-            "mul.rn.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-            False,
-        )
-    )
+    return _bf16x2_op("mul.rn.bf16x2 $0, $1, $2;", a, b, loc, ip)
 
 
 @dsl_user_op
 def add_bf16x2(a, b, *, loc=None, ip=None):
     """a + b per half, rounded once to bf16 (no flush)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i32(a, loc, ip), _i32(b, loc, ip)],
-            "add.rn.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-            False,
-        )
-    )
+    return _bf16x2_op("add.rn.bf16x2 $0, $1, $2;", a, b, loc, ip)
 
 
-@dsl_user_op
-def bf16_lo_to_f32(x, *, loc=None, ip=None):
-    """Exact widening of the low bf16 of a packed pair (bit shift, never flushes)."""
-    return Float32(
-        _asm(T.f32(), [_i32(x, loc, ip)], "shl.b32 $0, $1, 16;", "=f,r", False)
-    )
+# exact widening of the low / high bf16 of a packed pair (bit shift / mask, never flushes)
+bf16_lo_to_f32 = common.bf16x2_lo_to_f32
+bf16_hi_to_f32 = common.bf16x2_hi_to_f32
 
-
-@dsl_user_op
-def bf16_hi_to_f32(x, *, loc=None, ip=None):
-    """Exact widening of the high bf16 of a packed pair (bit mask, never flushes)."""
-    return Float32(
-        _asm(T.f32(), [_i32(x, loc, ip)], "and.b32 $0, $1, 0xffff0000;", "=f,r", False)
-    )
-
-
-@dsl_user_op
-def fma_ftz(a, b, c, *, loc=None, ip=None):
-    """fmaf(a, b, c) as nvcc --use_fast_math emits it (fma.rn.ftz.f32)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [_f32(a, loc, ip), _f32(b, loc, ip), _f32(c, loc, ip)],
-            "fma.rn.ftz.f32 $0, $1, $2, $3;",
-            "=f,f,f,f",
-            False,
-        )
-    )
+# fmaf(a, b, c) as nvcc --use_fast_math emits it (fma.rn.ftz.f32)
+fma_ftz = common.ffma
 
 
 @dsl_user_op
@@ -185,39 +171,35 @@ def sigmoid_bf16x2_from_logit(beta_bits, *, loc=None, ip=None):
 
     beta_bits: the raw 16-bit bf16 logit in the low half of an Int32.
     """
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i32(beta_bits, loc, ip)],
-            "{\n\t.reg .f32 x, t, s;\n\t.reg .b32 w;\n\t"
-            "shl.b32 w, $1, 16;\n\t"
-            "mov.b32 x, w;\n\t"
-            "mul.ftz.f32 x, x, 0f3F000000;\n\t"
-            "tanh.approx.f32 t, x;\n\t"
-            "fma.rn.ftz.f32 s, t, 0f3F000000, 0f3F000000;\n\t"
-            "cvt.rn.bf16x2.f32 $0, s, s;\n\t}",
-            "=r,r",
-            False,
-        )
+    return _b32_op(
+        [_i32(beta_bits, loc, ip)],
+        "{\n\t.reg .f32 x, t, s;\n\t.reg .b32 w;\n\t"
+        "shl.b32 w, $1, 16;\n\t"
+        "mov.b32 x, w;\n\t"
+        "mul.ftz.f32 x, x, 0f3F000000;\n\t"
+        "tanh.approx.f32 t, x;\n\t"
+        "fma.rn.ftz.f32 s, t, 0f3F000000, 0f3F000000;\n\t"
+        "cvt.rn.bf16x2.f32 $0, s, s;\n\t}",
+        "=r,r",
+        loc,
+        ip,
     )
 
 
 @dsl_user_op
 def select_lt(idx, limit, a, b, *, loc=None, ip=None):
     """idx < limit ? a : b (signed, no branch)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [
-                _i32(idx, loc, ip),
-                _i32(limit, loc, ip),
-                _i32(a, loc, ip),
-                _i32(b, loc, ip),
-            ],
-            "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, $1, $2;\n\tselp.b32 $0, $3, $4, p;\n\t}",
-            "=r,r,r,r,r",
-            False,
-        )
+    return _b32_op(
+        [
+            _i32(idx, loc, ip),
+            _i32(limit, loc, ip),
+            _i32(a, loc, ip),
+            _i32(b, loc, ip),
+        ],
+        "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, $1, $2;\n\tselp.b32 $0, $3, $4, p;\n\t}",
+        "=r,r,r,r,r",
+        loc,
+        ip,
     )
 
 
@@ -227,47 +209,42 @@ def select_lt(idx, limit, a, b, *, loc=None, ip=None):
 @dsl_user_op
 def ldmatrix_x4(smem_addr, *, loc=None, ip=None):
     """Four 8x8 fragments; lane l supplies the address of row l % 8 of matrix l // 8."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [_i32(smem_addr, loc, ip)],
+    return _ldmatrix_x4(
         "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r,~{memory}",
-        True,
+        smem_addr,
+        loc,
+        ip,
     )
-    return _unpack(res, T.i32(), 4, Int32)
 
 
 @dsl_user_op
 def ldmatrix_x4_trans(smem_addr, *, loc=None, ip=None):
     """Four 8x8 fragments of the transposed matrices (same addressing as ldmatrix_x4)."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [_i32(smem_addr, loc, ip)],
+    return _ldmatrix_x4(
         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r,~{memory}",
-        True,
+        smem_addr,
+        loc,
+        ip,
     )
-    return _unpack(res, T.i32(), 4, Int32)
 
 
 @dsl_user_op
 def ld_shared_f32(smem_addr, *, loc=None, ip=None):
-    return Float32(
-        _asm(
-            T.f32(),
-            [_i32(smem_addr, loc, ip)],
-            "ld.shared.f32 $0, [$1];",
-            "=f,r,~{memory}",
-            True,
-        )
+    return _load(
+        Float32,
+        T.f32(),
+        _i32(smem_addr, loc, ip),
+        "ld.shared.f32 $0, [$1];",
+        "=f,r",
+        loc,
+        ip,
     )
 
 
 @dsl_user_op
 def cp_async_16_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
     """16-byte global -> shared copy bypassing L1 (cp.async.cg), issued only if idx < limit."""
-    _asm(
-        T.i32(),
+    _store(
         [
             _i32(smem_addr, loc, ip),
             _i64(gmem_addr, loc, ip),
@@ -275,27 +252,22 @@ def cp_async_16_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
             _i32(limit, loc, ip),
         ],
         "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, $3, $4;\n\t"
-        "@p cp.async.cg.shared.global [$1], [$2], 16;\n\t}\n\tmov.b32 $0, 0;",
-        "=r,r,l,r,r,~{memory}",
-        True,
+        "@p cp.async.cg.shared.global [$1], [$2], 16;\n\t}",
+        "r,l,r,r",
+        loc,
+        ip,
     )
 
 
 @dsl_user_op
 def cp_async_commit(*, loc=None, ip=None):
-    _asm(T.i32(), [], "cp.async.commit_group;\n\tmov.b32 $0, 0;", "=r,~{memory}", True)
+    _store([], "cp.async.commit_group;", "", loc, ip)
 
 
 @dsl_user_op
 def cp_async_wait(pending: int, *, loc=None, ip=None):
     """Wait until at most `pending` (a Python int) committed cp.async groups are in flight."""
-    _asm(
-        T.i32(),
-        [],
-        f"cp.async.wait_group {int(pending)};\n\tmov.b32 $0, 0;",
-        "=r,~{memory}",
-        True,
-    )
+    _store([], f"cp.async.wait_group {int(pending)};", "", loc, ip)
 
 
 @dsl_user_op
@@ -306,8 +278,7 @@ def beta_to_shared_if(slot_addr, elem_addr, async_ok, idx, limit, *, loc=None, i
     copied asynchronously (cp.async.ca, completes with the chunk's group); where that word would
     reach past the end of the array (async_ok == 0) the element is copied synchronously instead.
     """
-    _asm(
-        T.i32(),
+    _store(
         [
             _i32(slot_addr, loc, ip),
             _i64(elem_addr, loc, ip),
@@ -328,83 +299,83 @@ def beta_to_shared_if(slot_addr, elem_addr, async_ok, idx, limit, *, loc=None, i
         "cvt.u32.u64 o32, o;\n\t"
         "add.u32 s2, $1, o32;\n\t"
         "@p2 ld.global.nc.b16 h, [$2];\n\t"
-        "@p2 st.shared.b16 [s2], h;\n\t}\n\tmov.b32 $0, 0;",
-        "=r,r,l,r,r,r,~{memory}",
-        True,
+        "@p2 st.shared.b16 [s2], h;\n\t}",
+        "r,l,r,r,r",
+        loc,
+        ip,
     )
 
 
 @dsl_user_op
 def ld_shared_b32(smem_addr, *, loc=None, ip=None):
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i32(smem_addr, loc, ip)],
-            "ld.shared.b32 $0, [$1];",
-            "=r,r,~{memory}",
-            True,
-        )
+    return _load(
+        Int32,
+        T.i32(),
+        _i32(smem_addr, loc, ip),
+        "ld.shared.b32 $0, [$1];",
+        "=r,r",
+        loc,
+        ip,
     )
 
 
 @dsl_user_op
 def ld_shared_u16(smem_addr, *, loc=None, ip=None):
     """Zero-extended 16-bit shared load."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i32(smem_addr, loc, ip)],
-            "{\n\t.reg .b16 h;\n\tld.shared.b16 h, [$1];\n\tcvt.u32.u16 $0, h;\n\t}",
-            "=r,r,~{memory}",
-            True,
-        )
+    return _load(
+        Int32,
+        T.i32(),
+        _i32(smem_addr, loc, ip),
+        "{\n\t.reg .b16 h;\n\tld.shared.b16 h, [$1];\n\tcvt.u32.u16 $0, h;\n\t}",
+        "=r,r",
+        loc,
+        ip,
     )
 
 
 @dsl_user_op
 def cta_barrier(*, loc=None, ip=None):
-    _asm(T.i32(), [], "bar.sync 0;\n\tmov.b32 $0, 0;", "=r,~{memory}", True)
+    _store([], "bar.sync 0;", "", loc, ip)
 
 
 @dsl_user_op
 def ld_global_u16(gmem_addr, *, loc=None, ip=None):
     """Zero-extended *(u16*)addr, coherent path (the buffer may alias an output)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i64(gmem_addr, loc, ip)],
-            "{\n\t.reg .b16 h;\n\tld.global.b16 h, [$1];\n\tcvt.u32.u16 $0, h;\n\t}",
-            "=r,l,~{memory}",
-            True,
-        )
+    return _load(
+        Int32,
+        T.i32(),
+        _i64(gmem_addr, loc, ip),
+        "{\n\t.reg .b16 h;\n\tld.global.b16 h, [$1];\n\tcvt.u32.u16 $0, h;\n\t}",
+        "=r,l",
+        loc,
+        ip,
     )
 
 
 @dsl_user_op
 def st_global_b32_if(gmem_addr, value, idx, limit, *, loc=None, ip=None):
     """*(u32*)addr = value if idx < limit."""
-    _asm(
-        T.i32(),
+    _store(
         [
             _i64(gmem_addr, loc, ip),
             _i32(value, loc, ip),
             _i32(idx, loc, ip),
             _i32(limit, loc, ip),
         ],
-        "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, $3, $4;\n\t@p st.global.b32 [$1], $2;\n\t}"
-        "\n\tmov.b32 $0, 0;",
-        "=r,l,r,r,r,~{memory}",
-        True,
+        "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, $3, $4;\n\t@p st.global.b32 [$1], $2;\n\t}",
+        "l,r,r,r",
+        loc,
+        ip,
     )
 
 
 @dsl_user_op
 def st_global_u16(gmem_addr, value, *, loc=None, ip=None):
     """Store the low 16 bits of value."""
-    _asm(
-        T.i32(),
+    _store(
         [_i64(gmem_addr, loc, ip), _i32(value, loc, ip)],
-        "{\n\t.reg .b16 h;\n\tcvt.u16.u32 h, $2;\n\tst.global.b16 [$1], h;\n\t}\n\tmov.b32 $0, 0;",
-        "=r,l,r,~{memory}",
-        True,
+        "{\n\t.reg .b16 h;\n\tcvt.u16.u32 h, $2;\n\tst.global.b16 [$1], h;\n\t}",
+        "l,r",
+        loc,
+        ip,
     )

@@ -307,28 +307,13 @@ class KdaPrepare:
         cute.autovec_copy(cute.recast_tensor(out, BFloat16), dst)
 
     @cute.jit
-    def _mma_16x16(self, tiled_mma, thr_mma, acc, s_a: cute.Tensor, s_b: cute.Tensor):
-        """acc += A.B^T for A (16, K), B (16, K) in shared memory, k-blocks ascending."""
-        t_a = thr_mma.partition_A(s_a)
-        t_b = thr_mma.partition_B(s_b)
-        r_a = tiled_mma.make_fragment_A(t_a)
-        r_b = tiled_mma.make_fragment_B(t_b)
-        cute.autovec_copy(t_a, r_a)
-        cute.autovec_copy(t_b, r_b)
-        for kb in cutlass.range_constexpr(cute.size(r_a, mode=[2])):
-            cute.gemm(tiled_mma, acc, r_a[None, None, kb], r_b[None, None, kb], acc)
-
-    @cute.jit
     def _mqk(
         self, s_qd: cute.Tensor, s_ki: cute.Tensor, s_mqk: cute.Tensor, lane: Int32
     ):
         """Mqk = bf16(qd . ki^T), lower triangle with diagonal."""
-        tiled_mma = _tiled_mma_bf16()
-        thr = tiled_mma.get_slice(lane)
-        coords = thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-        acc = tiled_mma.make_fragment_C(coords.shape)
-        acc.fill(0.0)
-        self._mma_16x16(tiled_mma, thr, acc, s_qd, s_ki)
+        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        coords = mma.coords
+        acc = mma.product(s_qd, s_ki)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = coords[i]
             v = f32_to_bf16(acc[i])
@@ -349,14 +334,11 @@ class KdaPrepare:
         s_p_t = _carve(scratch, 3 * tile, BFloat16, _row_major(CHUNK, CHUNK))
         s_m_t = _carve(scratch, 4 * tile, BFloat16, _row_major(CHUNK, CHUNK))
         s_n = _carve(scratch, 5 * tile, BFloat16, _row_major(CHUNK, CHUNK))
-        tiled_mma = _tiled_mma_bf16()
-        thr = tiled_mma.get_slice(lane)
-        coords = thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        coords = mma.coords
 
         # L = (kd . ki^T) strictly lower, rows scaled by b in f32
-        acc = tiled_mma.make_fragment_C(coords.shape)
-        acc.fill(0.0)
-        self._mma_16x16(tiled_mma, thr, acc, s_kd, s_ki)
+        acc = mma.product(s_kd, s_ki)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = coords[i]
             v = fmul(acc[i], s_beta[r])
@@ -413,18 +395,14 @@ class KdaPrepare:
         cute.arch.sync_warp()
 
         # dc = P.M ; n = bf16(-dc)
-        acc2 = tiled_mma.make_fragment_C(coords.shape)
-        acc2.fill(0.0)
-        self._mma_16x16(tiled_mma, thr, acc2, s_p, s_m_t)
+        acc2 = mma.product(s_p, s_m_t)
         for i in cutlass.range_constexpr(cute.size(acc2)):
             r, c = coords[i]
             s_n[r, c] = f32_to_bf16(fneg(acc2[i]))
         cute.arch.sync_warp()
 
         # o = n.P ; INV = P + bf16(o)
-        acc3 = tiled_mma.make_fragment_C(coords.shape)
-        acc3.fill(0.0)
-        self._mma_16x16(tiled_mma, thr, acc3, s_n, s_p_t)
+        acc3 = mma.product(s_n, s_p_t)
         for i in cutlass.range_constexpr(cute.size(acc3)):
             r, c = coords[i]
             o = bf16_to_f32(f32_to_bf16(acc3[i]))
@@ -441,14 +419,11 @@ class KdaPrepare:
         ]
         # each power of L is kept twice: row-major (A operand) and transposed (B operand)
         s_l1, s_l1_t, s_l2, s_l2_t, s_l4, s_l4_t, s_l8_t, s_i0, s_i1 = tiles
-        tiled_mma = _tiled_mma_bf16()
-        thr = tiled_mma.get_slice(lane)
-        coords = thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        coords = mma.coords
 
         # L = f16(kd . ki^T) strictly lower, rows times f16(b) in f16; INV = I - L
-        acc = tiled_mma.make_fragment_C(coords.shape)
-        acc.fill(0.0)
-        self._mma_16x16(tiled_mma, thr, acc, s_kd, s_ki)
+        acc = mma.product(s_kd, s_ki)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = coords[i]
             lv = f16_mul(f32_to_f16(acc[i]), f32_to_f16(s_beta[r]))
@@ -462,19 +437,12 @@ class KdaPrepare:
             s_i0[r, c] = iv
         cute.arch.sync_warp()
 
-        h_mma = _tiled_mma_f16()
-        h_thr = h_mma.get_slice(lane)
-        h_coords = h_thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-
-        def product(s_a, s_b_t):
-            # f16 MMA with f16 accumulation from zero: s_a . s_b
-            a = h_mma.make_fragment_C(h_coords.shape)
-            a.fill(0.0)
-            self._mma_16x16(h_mma, h_thr, a, s_a, s_b_t)
-            return a
+        # f16 MMA with f16 accumulation from zero: h_mma.product(s_a, s_b_t) = s_a . s_b
+        h_mma = _WarpMma(_tiled_mma_f16(), lane)
+        h_coords = h_mma.coords
 
         def square(s_src, s_src_t, s_dst, s_dst_t):
-            a = product(s_src, s_src_t)
+            a = h_mma.product(s_src, s_src_t)
             for i in cutlass.range_constexpr(cute.size(a)):
                 r, c = h_coords[i]
                 if cutlass.const_expr(s_dst is not None):
@@ -483,7 +451,7 @@ class KdaPrepare:
 
         def accumulate(s_inv_in, s_pow_t, s_inv_out):
             # INV + INV.L^k: separate f16 MMA from zero, then an f16 add (FlashKDA's order)
-            a = product(s_inv_in, s_pow_t)
+            a = h_mma.product(s_inv_in, s_pow_t)
             for i in cutlass.range_constexpr(cute.size(a)):
                 r, c = h_coords[i]
                 s_inv_out[r, c] = f16_add(s_inv_in[r, c], a[i])
@@ -496,10 +464,40 @@ class KdaPrepare:
         accumulate(s_i1, s_l4_t, s_i0)
         square(s_l4, s_l4_t, None, s_l8_t)
         cute.arch.sync_warp()
-        a = product(s_i0, s_l8_t)
+        a = h_mma.product(s_i0, s_l8_t)
         for i in cutlass.range_constexpr(cute.size(a)):
             r, c = h_coords[i]
             s_inv[r, c] = f32_to_bf16(f16_to_f32(f16_add(s_i0[r, c], a[i])))
+
+
+@cute.jit
+def _mma_16x16(tiled_mma, thr_mma, acc, s_a: cute.Tensor, s_b: cute.Tensor):
+    """acc += A.B^T for A (16, K), B (16, K) in shared memory, k-blocks ascending."""
+    t_a = thr_mma.partition_A(s_a)
+    t_b = thr_mma.partition_B(s_b)
+    r_a = tiled_mma.make_fragment_A(t_a)
+    r_b = tiled_mma.make_fragment_B(t_b)
+    cute.autovec_copy(t_a, r_a)
+    cute.autovec_copy(t_b, r_b)
+    for kb in cutlass.range_constexpr(cute.size(r_a, mode=[2])):
+        cute.gemm(tiled_mma, acc, r_a[None, None, kb], r_b[None, None, kb], acc)
+
+
+class _WarpMma:
+    """A one-warp 16x16 tiled MMA as seen by one lane (a trace-time helper): its slice of the
+    MMA and `coords`, the (row, col) of each of its accumulator elements."""
+
+    def __init__(self, tiled_mma, lane):
+        self.tiled_mma = tiled_mma
+        self.thr = tiled_mma.get_slice(lane)
+        self.coords = self.thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+
+    def product(self, s_a, s_b):
+        """A.B^T into a fresh zeroed accumulator, for A (16, K), B (16, K) in shared memory."""
+        acc = self.tiled_mma.make_fragment_C(self.coords.shape)
+        acc.fill(0.0)
+        _mma_16x16(self.tiled_mma, self.thr, acc, s_a, s_b)
+        return acc
 
 
 def _carve(base, byte_offset, dtype, layout):
