@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import BLOCK_V_CHOICES, CHUNK, HEAD_DIM
+from .kernels.workspace_layout import RECORD_BYTES
+
 LIBRARY_NAME = "libjax_kda_ffi.so"
 LIBRARY_ENV = "JAX_KDA_FFI_LIBRARY"  # explicit path, overrides the search below
 ABI_VERSION = 1  # must equal jax_kda_ffi_abi_version() in ffi/kda_ffi.cc
@@ -40,11 +43,7 @@ _HANDLER_SYMBOLS = {
     },
 }
 
-HEAD_DIM = 128
-CHUNK = 16
-RECORD_BYTES = 13824  # one workspace record per (head, chunk slot)
 INVERSE_IDS = {"stable": 0, "neumann": 1}
-BLOCK_V_CHOICES = (16, 32, 64, 128)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

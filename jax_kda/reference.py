@@ -56,11 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._checks import CHUNK, HEAD_DIM, INVERSE_VARIANTS
 from ._manual_axes import vary_like
-
-CHUNK = 16
-HEAD_DIM = 128
-INVERSE_VARIANTS = ("stable", "neumann")
 
 _LOG2E = np.float32(math.log2(math.e))
 _HIGHEST = lax.Precision.HIGHEST

@@ -10,11 +10,12 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # subprocess test
 if ls "$REPO"/.carry/*.whl >/dev/null 2>&1; then  # fla (pure Python) for --compare fla
   python3 -m pip install -q --no-deps --no-index --target /tmp/fla "$REPO"/.carry/*.whl && export PYTHONPATH=/tmp/fla
 fi
+# the built wheel, installed once for the stages below (gpu_roundtrip.sh installs its own copy)
+site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$REPO"/.whl/jax_kda-*.whl || exit 3
 for stage in $STAGES; do
   case $stage in
     tests) GPU_TEST_TIMEOUT="${GPU_TEST_TIMEOUT:-330}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu tests ;;
     sanitizer)
-      site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$REPO"/.whl/jax_kda-*.whl
       for tool in memcheck racecheck; do
         echo "== compute-sanitizer $tool"
         (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 150 compute-sanitizer --tool $tool --kernel-name kns=jax_kdakernels \
@@ -23,12 +24,10 @@ for stage in $STAGES; do
         echo "compute-sanitizer $tool exit ${PIPESTATUS[0]}"
       done ;;
     multigpu)
-      site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$REPO"/.whl/jax_kda-*.whl
       echo "== multi-GPU sharded check"
       (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 240 python3 "$REPO/scripts/multi_gpu_check.py" "$OUT/multi_gpu.json")
       echo "multi-GPU exit $?" ;;
     profile)  # Nsight Compute on one recurrence launch: where the per-chunk cycles go
-      site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$REPO"/.whl/jax_kda-*.whl
       echo "== ncu, recurrence, T=8192, 12 heads"
       (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 150 ncu --clock-control none -k regex:Recurrence -c 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
