@@ -18,7 +18,7 @@
 #   JAX_KDA_BENCH_ARGS (default "--out $OUT/bench --no-progress"), PYTEST_ARGS (extra args).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
-WHEEL_DIR="$REPO/.whl"
+WHEEL_DIR="${WHEEL_DIR:-$REPO/.whl}"  # override to keep several builds apart
 
 build() {
   local py="${PYTHON:-}"

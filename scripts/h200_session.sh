@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched H200 call (device time is scarce): GPU tests, a compute-sanitizer pass on a small
 # shape, then the benchmark with fla alongside. Needs carry=[".whl", ".carry"]; see gpu_roundtrip.sh.
-#   STAGES: any of "tests sanitizer bench multigpu profile" (default: tests sanitizer bench)
+#   STAGES: any of "tests sanitizer bench multigpu profile grid parity" (default: tests sanitizer bench)
+#   WHEEL_DIR: where the built wheel is (default .whl; carry it)
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$REPO/gpu_out}"; mkdir -p "$OUT"
@@ -11,7 +12,8 @@ if ls "$REPO"/.carry/*.whl >/dev/null 2>&1; then  # fla (pure Python) for --comp
   python3 -m pip install -q --no-deps --no-index --target /tmp/fla "$REPO"/.carry/*.whl && export PYTHONPATH=/tmp/fla
 fi
 # the built wheel, installed once for the stages below (gpu_roundtrip.sh installs its own copy)
-site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$REPO"/.whl/jax_kda-*.whl || exit 3
+export WHEEL_DIR="${WHEEL_DIR:-$REPO/.whl}"
+site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$WHEEL_DIR"/jax_kda-*.whl || exit 3
 for stage in $STAGES; do
   case $stage in
     tests) GPU_TEST_TIMEOUT="${GPU_TEST_TIMEOUT:-330}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu tests ;;
@@ -33,6 +35,13 @@ for stage in $STAGES; do
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
         --section WarpStateStats python3 "$REPO/scripts/profile_case.py") > "$OUT/ncu_recurrence.txt" 2>&1
       echo "ncu exit $?"; grep -E "Duration|Issue Slots|Eligible|Active Warps|Stall|No Eligible|Registers|Block Size|Grid Size" "$OUT/ncu_recurrence.txt" | head -40 ;;
+    grid)  # issue 4: block_v x heads x sequences, recurrence alone
+      echo "== launch-heuristic grid"
+      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout "${GRID_TIMEOUT:-360}" python3 "$REPO/scripts/heuristic_grid.py" \
+        --out "$OUT/heuristic_grid.json" ${GRID_ARGS:-})
+      echo "grid exit $?" ;;
+    parity)  # issue 3: bitwise against FlashKDA v1 and the stable torch_ref (sources in .carry/ext)
+      PYTHONPATH="$site:${PYTHONPATH:-}" bash "$REPO/scripts/flashkda_parity.sh" ;;
     bench) JAX_KDA_BENCH_ARGS="${JAX_KDA_BENCH_ARGS:---preset baselines --compare fla --out $OUT/bench --no-progress --no-plot}" \
         BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu bench ;;
   esac

@@ -81,7 +81,12 @@ def tiny_cases() -> list[Case]:
     return [Case((64,), 2), Case((17, 0, 40), 1, "varlen")]
 
 
-PRESETS = {"baselines": baseline_cases, "tiny": tiny_cases}
+def baseline_other_cases() -> list[Case]:
+    """The baseline cases other than the T = 8192 head sweep (varlen mixes, T = 32768, 2048)."""
+    return baseline_cases()[len(BASELINE_HEADS):]
+
+
+PRESETS = {"baselines": baseline_cases, "baselines-other": baseline_other_cases, "tiny": tiny_cases}
 
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:

@@ -192,9 +192,14 @@ def main(argv=None) -> int:
 
         meta["compare_versions"] = versions()
 
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or f"{_slug(meta['device_kind'])}-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}"
+    paths = {ext: out_dir / f"{tag}.{ext}" for ext in ("json", "csv", "png")}
+
     results = []
     bar = progress_bar(len(cases) * len(variants), enabled=not args.no_progress)
-    for case in cases:
+    for done, case in enumerate(cases, start=1):
         np_inputs = make_inputs(case, seed=args.seed)
         jax_inputs = to_jax(np_inputs)
         for variant in variants:
@@ -212,17 +217,19 @@ def main(argv=None) -> int:
                 traceback.print_exc(file=sys.stderr)
             results.append(row)
             bar.update(1)
+            if args.no_progress:  # one line per measurement instead of the bar
+                print(f"  {case.name:28s} {variant.name:22s} "
+                      + (f"{row['median_us']:10.1f} us" if "median_us" in row else row["status"]),
+                      flush=True)
         del jax_inputs
+        # after every case, so that a run cut short by a time limit keeps what it measured
+        write_json(paths["json"], meta, [c.as_dict() for c in cases[:done]], results)
     bar.close()
 
     add_ratios(results, baseline)
     case_dicts = [c.as_dict() for c in cases]
     print(format_table(case_dicts, names, results, baseline))
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or f"{_slug(meta['device_kind'])}-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}"
-    paths = {ext: out_dir / f"{tag}.{ext}" for ext in ("json", "csv", "png")}
     write_json(paths["json"], meta, case_dicts, results)
     write_csv(paths["csv"], results)
     written = [paths["json"], paths["csv"]]

@@ -1,0 +1,92 @@
+"""Issue 4's launch-heuristic measurement: the recurrence alone, every block_v, heads x sequences.
+
+T tokens per sequence (default 8192), N equal sequences packed (varlen layout, as the kernels see
+every call). Inputs are drawn on the GPU with jax.random (host-side numpy would spend minutes on the
+largest cases); the workspace comes from the prepare kernel once per (N, H). Each block_v is timed
+as a jit chain of dependent calls (state fed forward), medians of --repeats samples, all in this
+one process. Writes one JSON with every row plus what jax_kda._launch.choose_block_v picks.
+
+  python scripts/heuristic_grid.py --out grid.json [--seqs 1,2,4,8] [--heads 1,2,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jax_kda import _launch
+from jax_kda.bench import cases, jax_variants, timing
+
+BLOCK_VS = (16, 32, 64, 128)
+HEADS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def device_inputs(key, num_seqs, seqlen, heads):
+    """kda_prefill-layout inputs (B = 1, packed), bf16 activations, realistic scales."""
+    ks = jax.random.split(key, 8)
+    T, D = num_seqs * seqlen, 128
+
+    def unit(k_):  # L2-normalised rows, as a model's q/k
+        x = jax.random.normal(k_, (1, T, heads, D), jnp.float32)
+        return (x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True))).astype(jnp.bfloat16)
+
+    return {
+        "q": unit(ks[0]), "k": unit(ks[1]),
+        "v": jax.random.normal(ks[2], (1, T, heads, D), jnp.bfloat16),
+        "g": jax.random.normal(ks[3], (1, T, heads, D), jnp.bfloat16),
+        "beta": jax.random.normal(ks[4], (1, T, heads), jnp.bfloat16),
+        "A_log": jax.random.uniform(ks[5], (heads,), jnp.float32),
+        "dt_bias": jax.random.uniform(ks[6], (heads, D), jnp.float32),
+        "state": (0.05 * jax.random.normal(ks[7], (num_seqs, heads, D, D), jnp.float32)).astype(jnp.bfloat16),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--seqs", default="1,2,4,8")
+    p.add_argument("--heads", default=",".join(map(str, HEADS)))
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--min-chain-ms", type=float, default=3.0)
+    p.add_argument("--out", default="heuristic_grid.json")
+    args = p.parse_args()
+
+    ok, why = jax_variants.kernels_status()
+    if not ok:
+        raise SystemExit(why)
+    device = jax.devices()[0]
+    sms = _launch.gpu_sm_count()
+    rows, started = [], time.time()
+    for num_seqs in map(int, args.seqs.split(",")):
+        for heads in map(int, args.heads.split(",")):
+            case = cases.Case((args.seqlen,) * num_seqs, heads, layout="varlen")
+            x = device_inputs(jax.random.key(num_seqs * 1000 + heads), num_seqs, args.seqlen, heads)
+            x["cu_seqlens"] = jnp.asarray(case.cu_seqlens(), jnp.int32)
+            auto = _launch.choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sms)
+            for block_v in BLOCK_VS:
+                variant = jax_variants.Variant("recurrence", block_v)
+                fn, fn_args, feedback, _ = jax_variants.build(variant, case, x, inverse="stable")
+                t = timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=2, inner=2,
+                                    min_chain_ms=args.min_chain_ms)
+                rows.append({"num_seqs": num_seqs, "heads": heads, "block_v": block_v,
+                             "median_us": t.median_us, "summary": t.summary(), "auto": auto})
+                del fn_args
+            best = min((r for r in rows if r["num_seqs"] == num_seqs and r["heads"] == heads),
+                       key=lambda r: r["median_us"])
+            cells = "  ".join(f"bv{r['block_v']}={r['median_us']:8.1f}" for r in rows
+                              if r["num_seqs"] == num_seqs and r["heads"] == heads)
+            print(f"N={num_seqs} H={heads:3d}  {cells}  best bv{best['block_v']}  auto bv{auto}"
+                  f"  [{time.time() - started:5.0f} s]", flush=True)
+            del x
+            with open(args.out, "w") as f:  # after every (N, H): a timeout keeps what was measured
+                json.dump({"device": str(device), "sm_count": sms, "seqlen": args.seqlen,
+                           "jax": jax.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                           "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
