@@ -1,0 +1,724 @@
+"""KDA recurrence (SPEC.md "Kernel 2"), baseline: FlashKDA v1's structure, state in SHARED memory.
+
+This is the reference point the column-split kernel (recurrence.py) is measured and bit-compared
+against. Out and final state are meant to be bitwise identical to recurrence.py for every
+block_v: every value column goes through the same instructions in the same order (see
+"Numerics" below).
+
+Grid (1, H, N): one CTA per (head, sequence), all 128 value columns. 192 threads, 6 warps:
+  warps 0..3  MMA warps: warp w owns value columns 32w .. 32w+31 (4 n-tiles of 8 columns);
+  warp 4      producer: fills a STAGES-deep shared-memory ring with bulk async copies (TMA-style
+              1-D `cp.async.bulk`), runs up to STAGES chunks ahead of the MMA warps;
+  warp 5      output store warp: writes each chunk's out tile from a double-buffered shared
+              staging tile to global memory with 1-D bulk copies shared -> global.
+
+Shared memory (bytes; everything 128-byte aligned where it starts):
+  [0, 128)                mbarriers: full[STAGES], empty[STAGES], out_full[2], out_empty[2]
+  STATE_OFF, 32 KiB       the state S (bf16), row v (value column) = 256 bytes of 128 k values,
+                          16-byte granule kg of row v stored at granule kg ^ (v % 8)
+                          (state_smem_offset). Loaded once from the initial state, written to
+                          the final state at the end (also when the sequence is empty).
+  OUT_OFF, 2 x 4352       out staging tiles, 16 rows x 128 bf16, row pitch ROW_PITCH = 272
+  RING_OFF, STAGES x STAGE_BYTES  the input ring; one stage =
+                          [0, 13824) the chunk's workspace record, byte-exact (kernel_abi.md)
+                          [V_OFF, +16 x 272) the chunk's v rows, 256 bytes each, pitch 272
+                          [BETA_OFF, +32) the 16 raw bf16 beta logits (2 bytes per row)
+The 272-byte pitch (256 + 16) keeps every row 16-byte aligned for the bulk copies and makes the
+accumulator-layout accesses (8 rows x 4 words per instruction) hit 32 distinct banks.
+
+State fragments (mma_utils.py has the m16n8k16 layouts). With S stored v-major, the 8x8 block
+S[v0..v0+7][k0..k0+7] read by `ldmatrix` (no .trans) is the 8x8 fragment of (B[k0.., v0..])^T,
+i.e. exactly b[0] / b[1] of the B operand S^T of kd . S^T; read by `ldmatrix.trans` it is the
+packed accumulator pair (S^T[k0+g][v0+2t], S^T[k0+g][v0+2t+1]) = recurrence.py's register
+state[mt, nt, half]. One address map (state_ldsm_offset: matrix m = lane // 8 -> n-tile
+nt0 + m // 2, k half m % 2) serves ldmatrix (B operands of k-block kb for n-tiles nt0, nt0+1),
+ldmatrix.trans (old state, accumulator layout, k-tile kb) and stmatrix.trans (new state). The
+swizzle makes each 8-lane phase (8 consecutive v rows, one logical granule) conflict-free.
+
+Numerics (per chunk, per value column; identical instructions to recurrence.py):
+  P = kd . S^T, Oq = qd . S^T: mma m16n8k16, k-blocks 0..7 ascending, from f32 zero;
+  u = (sub.rn.bf16x2(v, pack(P)) mul.rn.bf16x2 sigmoid_bf16x2_from_logit(beta)) & row_mask;
+  U = pack(INV . movmatrix(u)); out = add.rn.bf16x2(pack(Oq), pack(Mqk . U));
+  W = kr^T . U; S = pack(fma.rn.ftz(bf16->f32(S), gt, W)).
+The only differences from recurrence.py are where operands travel (shared memory instead of
+registers, ldmatrix instead of movmatrix for the state's B operand, out through a staging tile):
+no arithmetic instruction, operand value or accumulation order differs. Malformed cu_seqlens are
+clamped exactly as in recurrence.py; chunk c of sequence n lives in slot cu[n] // 16 + n + c.
+
+beta: beta[tok, h] is strided by H elements, so it has no contiguous per-chunk run for a bulk
+copy (and a 2-byte element is below the 16-byte bulk granularity). The producer lanes r < 16
+read it with plain 16-bit loads (rows past the end: no load, 0 stored) and st.shared it into the
+stage; each producer lane then arrives on the stage's full barrier (release), so the MMA warps'
+acquire-wait covers these generic-proxy stores as well as the bulk copies' bytes. This keeps the
+MMA warps' chain free of global-memory latency (the producer runs STAGES chunks ahead).
+
+mbarrier protocol (hand check). All barriers are initialised by thread 0, then
+fence.mbarrier_init.release.cluster and one CTA barrier (all 192 threads) before first use.
+  full[s]   count 32 (every producer lane arrives once per fill), tx = RECORD_BYTES + 256 * n_valid
+  empty[s]  count 128 (every MMA thread arrives once per chunk, after its last read of stage s)
+  out_full[b]  count 128 (every MMA thread, after its staging stores + fence.proxy.async)
+  out_empty[b] count 32 (every store-warp lane, after cp.async.bulk.wait_group.read 0)
+Chunk c uses stage s = c % STAGES in round n = c // STAGES, and out buffer b = c % 2 in round
+m = c // 2. A waiter for "round n filled" waits on parity n & 1; a waiter for "slot free for
+round n" waits on parity (n & 1) ^ 1, which returns at once for n = 0 on a fresh barrier (phase 0
+is in progress, so the "preceding" phase of parity 1 counts as complete) and afterwards waits for
+the consumers' release of round n - 1. Each barrier completes exactly one phase per round, and no
+waiter can be two phases behind (a producer cannot refill stage s for round n + 1 before the MMA
+warps released round n, and they cannot release round n before it was filled), so parity is
+unambiguous.
+  Producer, chunk c: wait empty[s] parity ((n & 1) ^ 1); lane 0: mbarrier.expect_tx(full[s],
+  RECORD_BYTES + 256 * n_valid) where n_valid = min(eos - tok0, 16) >= 1 is exactly the number
+  of v rows copied (the last, partial chunk copies only its valid rows and expects only their
+  bytes); bar.warp.sync (so the expected count is set before any copy can complete: tx never
+  goes negative); lane 0 bulk-copies the record, lanes r < n_valid bulk-copy v row r (both with
+  complete_tx on full[s]); lanes r < 16 store beta row r; every lane arrives on full[s]. The
+  phase completes once all 32 arrivals and all expected bytes have landed.
+  MMA warps, chunk c: wait full[s] parity (n & 1); read the stage; before writing out buffer b
+  wait out_empty[b] parity ((m & 1) ^ 1); st.shared the out tile; fence.proxy.async.shared::cta
+  (generic writes -> async-proxy reads of the bulk store); arrive out_full[b]; finish the state
+  update (it still reads kr and gt from the stage); arrive empty[s]; bar.warp.sync (state rows
+  written by stmatrix are visible to the whole warp before the next chunk's ldmatrix).
+  Store warp, chunk c: wait out_full[b] parity (m & 1); lanes r < n_valid bulk-copy out row r
+  (256 bytes) to out[tok0 + r, h]; commit + wait_group.read 0 (staging read done); every lane
+  arrives on out_empty[b]. After the loop: cp.async.bulk.wait_group 0 (writes complete).
+  Producer tail: after its last fill it waits for the release of the last min(STAGES,
+  num_chunks) chunks, so no bulk copy into this CTA is pending when the producer exits.
+No deadlock: every role runs the same num_chunks iterations with the same (s, n, b, m); for
+num_chunks == 0 no role waits on anything (the MMA warps copy the initial state through shared
+memory to the final state; the tail waits only for chunks c - STAGES >= 0, none). A sequence
+shorter than the ring (num_chunks < STAGES) only uses the first num_chunks stages, each in round
+0, whose empty waits return at once. The producer blocks only on empty[s] (released by the MMA
+warps for round n - 1, which needed only full[s] round n - 1, already produced); the MMA warps
+block on full[s] (produced unconditionally) and out_empty[b] (released by the store warp, which
+needs only out_full[b] of the previous round, already arrived); the store warp blocks only on
+out_full[b]. Each dependency points to an earlier chunk, so the wait graph is acyclic.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from . import mma_utils as mu
+from .common import _asm
+from .mma_utils import _i32, _i64, _store
+from .recurrence import (
+    CHUNK,
+    NVVM_FAST_MATH,
+    OFF_GT,
+    OFF_INV,
+    OFF_KD,
+    OFF_KR,
+    OFF_MQK,
+    OFF_QD,
+    RECORD_BYTES,
+    D,
+    acc_col,
+    acc_row,
+    fake_args,
+    ldmatrix_a_offset,
+    ldmatrix_krt_offset,
+    ldmatrix_small_offset,
+)
+
+NUM_MMA_WARPS = 4
+N_TILES = 4  # 8-column n-tiles per MMA warp
+WARP_COLS = 8 * N_TILES
+PRODUCER_WARP = 4
+STORE_WARP = 5
+NUM_THREADS = 32 * 6
+# input ring depth (96.5 KiB of shared memory in all: two CTAs fit on one SM)
+STAGES = 3
+OUT_BUFS = 2
+ROW_PITCH = 272  # v rows and out rows in shared memory: 256 bytes + 16 of padding
+ROW_BYTES = D * 2  # one token row of v / out for one head, in global memory
+STATE_ROW_BYTES = D * 2  # one state row (value column v, 128 k values)
+V_OFF = RECORD_BYTES
+BETA_OFF = V_OFF + CHUNK * ROW_PITCH
+STAGE_BYTES = (BETA_OFF + CHUNK * 2 + 127) // 128 * 128
+OUT_TILE_BYTES = CHUNK * ROW_PITCH
+STATE_BYTES = D * STATE_ROW_BYTES
+BAR_BYTES = 128
+STATE_OFF = BAR_BYTES
+OUT_OFF = STATE_OFF + STATE_BYTES
+RING_OFF = OUT_OFF + OUT_BUFS * OUT_TILE_BYTES
+SMEM_BYTES = RING_OFF + STAGES * STAGE_BYTES
+# mbarrier slots (8 bytes each) in the barrier region
+BAR_FULL, BAR_EMPTY = 0, STAGES
+BAR_OUT_FULL, BAR_OUT_EMPTY = 2 * STAGES, 2 * STAGES + OUT_BUFS
+assert (BAR_OUT_EMPTY + OUT_BUFS) * 8 <= BAR_BYTES
+assert RING_OFF % 128 == 0 and STAGE_BYTES % 128 == 0
+
+
+# ---- index maps (plain integer arithmetic: used by the kernel on DSL Int32 values and by the
+# CPU fragment simulator in tests/ on numpy ints) ----
+def state_smem_offset(v, k):
+    """Byte offset of S[v, k] (value column v, key index k) in the shared state."""
+    return v * STATE_ROW_BYTES + ((k // 8) ^ (v % 8)) * 16 + (k % 8) * 2
+
+
+def state_ldsm_offset(lane, kb, col0):
+    """Row address this lane gives to ldmatrix(.trans) / stmatrix.trans for the state block of
+    k-block kb (k 16kb..16kb+15) and n-tiles (col0, col0 + 8) (col0 a multiple of 16): matrix
+    m = lane // 8 is S[col0 + 8 (m // 2) .. +7][16kb + 8 (m % 2) .. +7], row lane % 8 of it.
+    Registers: ldmatrix -> (b[0], b[1]) of n-tile col0, then of col0 + 8; ldmatrix.trans ->
+    (state half 0, half 1) of n-tile col0, then of col0 + 8."""
+    m = lane // 8
+    v = col0 + 8 * (m // 2) + lane % 8
+    return state_smem_offset(v, 16 * kb + 8 * (m % 2))
+
+
+def row_offset(row, col):
+    """Byte offset of element (row, col) of a [16, 128] bf16 tile stored with ROW_PITCH (the
+    stage's v rows and the out staging tiles)."""
+    return row * ROW_PITCH + col * 2
+
+
+# ---- inline-asm helpers this kernel needs in addition to mma_utils (sm_90+ instructions) ----
+def _pred_block(cond_ops, body):
+    """`{ .reg .pred p; setp.lt.s32 p, <cond_ops>; <body> }` (body uses @p)."""
+    return "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, " + cond_ops + ";\n\t" + body + "\n\t}"
+
+
+@dsl_user_op
+def mbar_init(bar, count, *, loc=None, ip=None):
+    _store(
+        [_i32(bar, loc, ip), _i32(count, loc, ip)],
+        "mbarrier.init.shared::cta.b64 [$1], $2;",
+        "r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def fence_mbarrier_init(*, loc=None, ip=None):
+    _store([], "fence.mbarrier_init.release.cluster;", "", loc, ip)
+
+
+@dsl_user_op
+def mbar_expect_tx_if(bar, nbytes, idx, limit, *, loc=None, ip=None):
+    """mbarrier.expect_tx (no arrival) if idx < limit."""
+    _store(
+        [
+            _i32(bar, loc, ip),
+            _i32(nbytes, loc, ip),
+            _i32(idx, loc, ip),
+            _i32(limit, loc, ip),
+        ],
+        _pred_block(
+            "$3, $4", "@p mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$1], $2;"
+        ),
+        "r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def mbar_arrive(bar, *, loc=None, ip=None):
+    """mbarrier.arrive (release, CTA scope) of this thread."""
+    _store(
+        [_i32(bar, loc, ip)],
+        "{\n\t.reg .b64 st;\n\tmbarrier.arrive.release.cta.shared::cta.b64 st, [$1];\n\t}",
+        "r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def mbar_wait(bar, parity, *, loc=None, ip=None):
+    """Spin until the phase of the given parity has completed (try_wait: acquire, CTA scope)."""
+    _store(
+        [_i32(bar, loc, ip), _i32(parity, loc, ip)],
+        "{\n\t.reg .pred p;\n\tWAIT_AGAIN:\n\t"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [$1], $2;\n\t"
+        "@!p bra WAIT_AGAIN;\n\t}",
+        "r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def bulk_g2s_if(smem, gmem, nbytes, bar, idx, limit, *, loc=None, ip=None):
+    """1-D bulk copy global -> shared completing `nbytes` tx on mbarrier `bar`, if idx < limit."""
+    _store(
+        [
+            _i32(smem, loc, ip),
+            _i64(gmem, loc, ip),
+            _i32(nbytes, loc, ip),
+            _i32(bar, loc, ip),
+            _i32(idx, loc, ip),
+            _i32(limit, loc, ip),
+        ],
+        _pred_block(
+            "$5, $6",
+            "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+            "[$1], [$2], $3, [$4];",
+        ),
+        "r,l,r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def bulk_s2g_row_if(gmem, smem, nbytes, idx, limit, *, loc=None, ip=None):
+    """1-D bulk copy shared -> global (if idx < limit), then commit this thread's bulk group and
+    wait until its shared-memory source has been read (every lane: an empty group is fine)."""
+    _store(
+        [
+            _i64(gmem, loc, ip),
+            _i32(smem, loc, ip),
+            _i32(nbytes, loc, ip),
+            _i32(idx, loc, ip),
+            _i32(limit, loc, ip),
+        ],
+        _pred_block(
+            "$4, $5",
+            "@p cp.async.bulk.global.shared::cta.bulk_group [$1], [$2], $3;\n\t"
+            "cp.async.bulk.commit_group;\n\t"
+            "cp.async.bulk.wait_group.read 0;",
+        ),
+        "l,r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def bulk_wait_all(*, loc=None, ip=None):
+    """All of this thread's bulk groups complete (writes done)."""
+    _store([], "cp.async.bulk.wait_group 0;", "", loc, ip)
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None):
+    """Order this thread's generic-proxy shared stores before later async-proxy accesses."""
+    _store([], "fence.proxy.async.shared::cta;", "", loc, ip)
+
+
+@dsl_user_op
+def warp_sync(*, loc=None, ip=None):
+    """bar.warp.sync over the full warp (also orders shared memory among its lanes)."""
+    _store([], "bar.warp.sync -1;", "", loc, ip)
+
+
+@dsl_user_op
+def stmatrix_x4_trans(smem_addr, regs, *, loc=None, ip=None):
+    """Store four 8x8 fragments, each transposed (inverse of ldmatrix_x4_trans, same addressing)."""
+    _store(
+        [_i32(smem_addr, loc, ip)] + [_i32(r, loc, ip) for r in regs],
+        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$1], {$2, $3, $4, $5};",
+        "r,r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def st_shared_b32(smem_addr, value, *, loc=None, ip=None):
+    _store(
+        [_i32(smem_addr, loc, ip), _i32(value, loc, ip)],
+        "st.shared.b32 [$1], $2;",
+        "r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def st_shared_u16(smem_addr, value, *, loc=None, ip=None):
+    """Store the low 16 bits of value."""
+    _store(
+        [_i32(smem_addr, loc, ip), _i32(value, loc, ip)],
+        "{\n\t.reg .b16 h;\n\tcvt.u16.u32 h, $2;\n\tst.shared.b16 [$1], h;\n\t}",
+        "r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def ld_global_u16_if(gmem_addr, idx, limit, *, loc=None, ip=None):
+    """Zero-extended *(u16*)addr if idx < limit, else 0 (no access)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i64(gmem_addr, loc, ip), _i32(idx, loc, ip), _i32(limit, loc, ip)],
+            _pred_block(
+                "$2, $3",
+                ".reg .b16 h;\n\tmov.b16 h, 0;\n\t@p ld.global.b16 h, [$1];\n\t"
+                "cvt.u32.u16 $0, h;",
+            ),
+            "=r,l,r,r,~{memory}",
+            loc,
+            ip,
+            side_effects=True,
+        )
+    )
+
+
+def _v4(res, loc, ip):
+    return [
+        Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)
+    ]
+
+
+@dsl_user_op
+def ld_global_v4(gmem_addr, *, loc=None, ip=None):
+    """16 bytes from global memory (coherent path: the state buffers may alias)."""
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_i64(gmem_addr, loc, ip)],
+        "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l,~{memory}",
+        loc,
+        ip,
+        side_effects=True,
+    )
+    return _v4(res, loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v4(smem_addr, *, loc=None, ip=None):
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_i32(smem_addr, loc, ip)],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r,~{memory}",
+        loc,
+        ip,
+        side_effects=True,
+    )
+    return _v4(res, loc, ip)
+
+
+@dsl_user_op
+def st_shared_v4(smem_addr, regs, *, loc=None, ip=None):
+    _store(
+        [_i32(smem_addr, loc, ip)] + [_i32(r, loc, ip) for r in regs],
+        "st.shared.v4.b32 [$1], {$2, $3, $4, $5};",
+        "r,r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def st_global_v4(gmem_addr, regs, *, loc=None, ip=None):
+    _store(
+        [_i64(gmem_addr, loc, ip)] + [_i32(r, loc, ip) for r in regs],
+        "st.global.v4.b32 [$1], {$2, $3, $4, $5};",
+        "l,r,r,r,r",
+        loc,
+        ip,
+    )
+
+
+def state_copy_granule(lane, i, col_w):
+    """(state row v, 16-byte granule index) lane `lane` copies in step i (0..15) of the warp's
+    initial/final state copy: the warp's 32 rows x 16 granules, 32 consecutive granules (two
+    rows) per step, so global accesses are coalesced."""
+    gi = lane + 32 * i
+    return col_w + gi // 16, gi % 16
+
+
+class KdaRecurrenceBaseline:
+    """Baseline recurrence; called exactly like recurrence.KdaRecurrence."""
+
+    def __init__(self):
+        self.num_threads = NUM_THREADS
+
+    @cute.jit
+    def __call__(
+        self,
+        mV: cute.Tensor,  # bf16 [T_total, H, 128]
+        mBeta: cute.Tensor,  # bf16 [T_total, H]
+        mWorkspace: cute.Tensor,  # uint8 [H, S, 13824]
+        mCuSeqlens: cute.Tensor,  # int32 [N + 1]
+        mState0: cute.Tensor,  # bf16 [N, H, 128, 128] (n, h, v, k)
+        mOut: cute.Tensor,  # bf16 [T_total, H, 128]
+        mStateT: cute.Tensor,  # bf16 [N, H, 128, 128]
+        stream: cuda.CUstream,
+    ):
+        num_heads = mV.shape[1]
+        num_seqs = mCuSeqlens.shape[0] - 1
+        self.kernel(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT).launch(
+            grid=[1, num_heads, num_seqs],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mState0: cute.Tensor,
+        mOut: cute.Tensor,
+        mStateT: cute.Tensor,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        _, head, seq = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+
+        t_total = mV.shape[0]
+        num_heads = mV.shape[1]
+        num_slots = mWorkspace.shape[1]
+
+        # Sequence bounds, clamped exactly as in recurrence.py.
+        bos = cutlass.min(cutlass.max(mCuSeqlens[seq], Int32(0)), t_total)
+        eos = cutlass.min(cutlass.max(mCuSeqlens[seq + 1], bos), t_total)
+        num_chunks = (eos - bos + (CHUNK - 1)) // CHUNK
+        slot0 = bos // CHUNK + seq
+
+        smem = SmemAllocator().allocate(SMEM_BYTES, byte_alignment=128).toint()
+        bars = smem
+        state_s = smem + STATE_OFF
+        out_s = smem + OUT_OFF
+        ring = smem + RING_OFF
+
+        if tid == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                mbar_init(bars + (BAR_FULL + s) * 8, Int32(32))
+                mbar_init(bars + (BAR_EMPTY + s) * 8, Int32(32 * NUM_MMA_WARPS))
+            for b in cutlass.range_constexpr(OUT_BUFS):
+                mbar_init(bars + (BAR_OUT_FULL + b) * 8, Int32(32 * NUM_MMA_WARPS))
+                mbar_init(bars + (BAR_OUT_EMPTY + b) * 8, Int32(32))
+            fence_mbarrier_init()
+        mu.cta_barrier()
+
+        # token row tok of head `head` in v / out: base + tok * row_stride
+        row_stride = Int64(num_heads) * ROW_BYTES
+        v_head = mV.iterator.toint() + Int64(head) * ROW_BYTES
+        out_head = mOut.iterator.toint() + Int64(head) * ROW_BYTES
+
+        if warp < NUM_MMA_WARPS:
+            state_off = (Int64(seq) * Int64(num_heads) + Int64(head)) * (D * D)
+            s0_base = mState0.iterator.toint() + state_off * 2
+            sT_base = mStateT.iterator.toint() + state_off * 2
+            _mma_warp(
+                warp * WARP_COLS,
+                lane,
+                bos,
+                eos,
+                num_chunks,
+                bars,
+                state_s,
+                out_s,
+                ring,
+                s0_base,
+                sT_base,
+            )
+        if warp == PRODUCER_WARP:
+            ws_head = (
+                mWorkspace.iterator.toint()
+                + Int64(head) * Int64(num_slots) * RECORD_BYTES
+            )
+            beta_head = mBeta.iterator.toint() + Int64(head) * 2
+            for c in range(num_chunks):
+                s = c % STAGES
+                full = bars + (BAR_FULL + s) * 8
+                stage = ring + s * STAGE_BYTES
+                mbar_wait(bars + (BAR_EMPTY + s) * 8, ((c // STAGES) & 1) ^ 1)
+                tok0 = bos + c * CHUNK
+                n_valid = cutlass.min(eos - tok0, Int32(CHUNK))
+                mbar_expect_tx_if(
+                    full, RECORD_BYTES + n_valid * ROW_BYTES, lane, Int32(1)
+                )
+                warp_sync()  # expected bytes registered before any copy can complete
+                rec = ws_head + Int64(slot0 + c) * RECORD_BYTES
+                bulk_g2s_if(stage, rec, Int32(RECORD_BYTES), full, lane, Int32(1))
+                tok = tok0 + lane
+                bulk_g2s_if(
+                    stage + V_OFF + lane * ROW_PITCH,
+                    v_head + Int64(tok) * row_stride,
+                    Int32(ROW_BYTES),
+                    full,
+                    lane,
+                    n_valid,
+                )
+                bits = ld_global_u16_if(
+                    beta_head + Int64(tok) * Int64(num_heads) * 2, lane, n_valid
+                )
+                if lane < CHUNK:
+                    st_shared_u16(stage + BETA_OFF + lane * 2, bits)
+                mbar_arrive(full)
+            # tail: wait until the MMA warps released the last min(STAGES, num_chunks) chunks
+            for i in cutlass.range_constexpr(STAGES):
+                c = num_chunks + i
+                if c >= STAGES:
+                    mbar_wait(
+                        bars + (BAR_EMPTY + c % STAGES) * 8,
+                        ((c // STAGES) & 1) ^ 1,
+                    )
+        if warp == STORE_WARP:
+            for c in range(num_chunks):
+                b = c % OUT_BUFS
+                mbar_wait(bars + (BAR_OUT_FULL + b) * 8, (c // OUT_BUFS) & 1)
+                tok0 = bos + c * CHUNK
+                n_valid = cutlass.min(eos - tok0, Int32(CHUNK))
+                bulk_s2g_row_if(
+                    out_head + Int64(tok0 + lane) * row_stride,
+                    out_s + b * OUT_TILE_BYTES + lane * ROW_PITCH,
+                    Int32(ROW_BYTES),
+                    lane,
+                    n_valid,
+                )
+                mbar_arrive(bars + (BAR_OUT_EMPTY + b) * 8)
+            bulk_wait_all()
+
+
+@cute.jit
+def _mma_warp(
+    col_w, lane, bos, eos, num_chunks, bars, state_s, out_s, ring, s0_base, sT_base
+):
+    """One MMA warp: value columns col_w .. col_w + 31, the state rows of these columns."""
+    NT = N_TILES
+    zero_f = Float32(0.0)
+
+    # ---- initial state -> shared memory (this warp's 32 rows), swizzled ----
+    for i in cutlass.range_constexpr(16):
+        v, kg = state_copy_granule(lane, i, col_w)
+        vals = ld_global_v4(s0_base + (Int64(v) * D + Int64(kg * 8)) * 2)
+        st_shared_v4(state_s + state_smem_offset(v, kg * 8), vals)
+    warp_sync()
+
+    for c in range(num_chunks):
+        s = c % STAGES
+        stage = ring + s * STAGE_BYTES
+        mbar_wait(bars + (BAR_FULL + s) * 8, (c // STAGES) & 1)
+        tok0 = bos + c * CHUNK
+
+        # P = kd . S^T, Oq = qd . S^T, k-blocks ascending; B operands from the shared state
+        p_acc = [[zero_f] * 4 for _ in range(NT)]
+        o_acc = [[zero_f] * 4 for _ in range(NT)]
+        for kb in cutlass.range_constexpr(8):
+            a_off = ldmatrix_a_offset(lane, kb)
+            a_kd = mu.ldmatrix_x4(stage + OFF_KD + a_off)
+            a_qd = mu.ldmatrix_x4(stage + OFF_QD + a_off)
+            for pair in cutlass.range_constexpr(NT // 2):
+                bb = mu.ldmatrix_x4(
+                    state_s + state_ldsm_offset(lane, kb, col_w + 16 * pair)
+                )
+                for e in cutlass.range_constexpr(2):
+                    nt = 2 * pair + e
+                    b = (bb[2 * e], bb[2 * e + 1])
+                    p_acc[nt] = mu.mma_bf16_16816(a_kd, b, p_acc[nt])
+                    o_acc[nt] = mu.mma_bf16_16816(a_qd, b, o_acc[nt])
+
+        # chunk operands from the stage
+        b_in = [
+            mu.sigmoid_bf16x2_from_logit(
+                mu.ld_shared_u16(stage + BETA_OFF + acc_row(lane, half) * 2)
+            )
+            for half in range(2)
+        ]
+        row_mask = [
+            mu.select_lt(tok0 + acc_row(lane, half), eos, Int32(-1), Int32(0))
+            for half in range(2)
+        ]
+        small_off = ldmatrix_small_offset(lane)
+        a_inv = mu.ldmatrix_x4(stage + OFF_INV + small_off)
+        a_mqk = mu.ldmatrix_x4(stage + OFF_MQK + small_off)
+
+        # u = bf16(bf16(v - P) * bf16(b)) (rows past the end: exactly 0); U = bf16(INV . u)
+        ub = []
+        for nt in cutlass.range_constexpr(NT):
+            col = col_w + nt * 8 + acc_col(lane)
+            u = []
+            for half in cutlass.range_constexpr(2):
+                v_in = mu.ld_shared_b32(
+                    stage + V_OFF + row_offset(acc_row(lane, half), col)
+                )
+                p = mu.pack_bf16x2(p_acc[nt][2 * half], p_acc[nt][2 * half + 1])
+                uu = mu.mul_bf16x2(mu.sub_bf16x2(v_in, p), b_in[half])
+                u.append(uu & row_mask[half])
+            u_acc = mu.mma_bf16_16816(
+                a_inv,
+                (mu.movmatrix_trans(u[0]), mu.movmatrix_trans(u[1])),
+                [zero_f] * 4,
+            )
+            big_u0 = mu.pack_bf16x2(u_acc[0], u_acc[1])
+            big_u1 = mu.pack_bf16x2(u_acc[2], u_acc[3])
+            ub.append((mu.movmatrix_trans(big_u0), mu.movmatrix_trans(big_u1)))
+
+        # out = bf16(Oq + bf16(Mqk . U)) -> staging tile b (all 16 rows; the store warp writes
+        # only the valid ones)
+        ob = c % OUT_BUFS
+        out_tile = out_s + ob * OUT_TILE_BYTES
+        m_acc = [mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4) for nt in range(NT)]
+        mbar_wait(bars + (BAR_OUT_EMPTY + ob) * 8, ((c // OUT_BUFS) & 1) ^ 1)
+        for nt in cutlass.range_constexpr(NT):
+            col = col_w + nt * 8 + acc_col(lane)
+            for half in cutlass.range_constexpr(2):
+                mq = mu.pack_bf16x2(m_acc[nt][2 * half], m_acc[nt][2 * half + 1])
+                oq = mu.pack_bf16x2(o_acc[nt][2 * half], o_acc[nt][2 * half + 1])
+                st_shared_b32(
+                    out_tile + row_offset(acc_row(lane, half), col),
+                    mu.add_bf16x2(oq, mq),
+                )
+        fence_proxy_async_shared()
+        mbar_arrive(bars + (BAR_OUT_FULL + ob) * 8)
+
+        # S[j, k] = bf16(fmaf(f32(S[j, k]), gt[k], (kr^T . U)[k, j])), k-tile by k-tile: the old
+        # state comes in (ldmatrix.trans) and goes out (stmatrix.trans) in the accumulator
+        # layout, i.e. as recurrence.py's state registers.
+        for mt in cutlass.range_constexpr(8):
+            a_krt = mu.ldmatrix_x4_trans(stage + OFF_KR + ldmatrix_krt_offset(lane, mt))
+            gt_lo = mu.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, 0)) * 4)
+            gt_hi = mu.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, 1)) * 4)
+            for pair in cutlass.range_constexpr(NT // 2):
+                addr = state_s + state_ldsm_offset(lane, mt, col_w + 16 * pair)
+                old = mu.ldmatrix_x4_trans(addr)
+                new = []
+                for e in cutlass.range_constexpr(2):
+                    wt = mu.mma_bf16_16816(a_krt, ub[2 * pair + e], [zero_f] * 4)
+                    s_lo = old[2 * e]
+                    s_hi = old[2 * e + 1]
+                    new.append(
+                        mu.pack_bf16x2(
+                            mu.fma_ftz(mu.bf16_lo_to_f32(s_lo), gt_lo, wt[0]),
+                            mu.fma_ftz(mu.bf16_hi_to_f32(s_lo), gt_lo, wt[1]),
+                        )
+                    )
+                    new.append(
+                        mu.pack_bf16x2(
+                            mu.fma_ftz(mu.bf16_lo_to_f32(s_hi), gt_hi, wt[2]),
+                            mu.fma_ftz(mu.bf16_hi_to_f32(s_hi), gt_hi, wt[3]),
+                        )
+                    )
+                stmatrix_x4_trans(addr, new)
+        mbar_arrive(bars + (BAR_EMPTY + s) * 8)  # stage s fully read
+        warp_sync()  # new state rows visible to every lane of the warp
+
+    # ---- final state (also for zero-length sequences: the initial state) ----
+    for i in cutlass.range_constexpr(16):
+        v, kg = state_copy_granule(lane, i, col_w)
+        vals = ld_shared_v4(state_s + state_smem_offset(v, kg * 8))
+        st_global_v4(sT_base + (Int64(v) * D + Int64(kg * 8)) * 2, vals)
+
+
+def compile_recurrence_baseline(
+    variant: str = "baseline", arch: str = "sm_90a", dump_dir: str | None = None
+):
+    """cute.compile of the baseline for a NAMED arch ("sm_90a" | "sm_100a"), with the same
+    fast-math nvvm options and dump options as recurrence.compile_recurrence."""
+    from cutlass.base_dsl.compiler import DumpDir, ExtraCompilerOpts
+
+    if variant != "baseline":
+        raise ValueError(f"variant must be 'baseline', got {variant!r}")
+    if arch not in ("sm_90a", "sm_100a"):
+        raise ValueError(f"arch must be sm_90a or sm_100a, got {arch}")
+    opts = [cute.GPUArch(arch), ExtraCompilerOpts(NVVM_FAST_MATH)]
+    if dump_dir is not None:
+        opts += [DumpDir(dump_dir), cute.KeepPTX(), cute.KeepCUBIN()]
+    return cute.compile[tuple(opts)](KdaRecurrenceBaseline(), *fake_args(128))
