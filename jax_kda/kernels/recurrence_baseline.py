@@ -145,6 +145,11 @@ STATE_OFF = BAR_BYTES
 OUT_OFF = STATE_OFF + STATE_BYTES
 RING_OFF = OUT_OFF + OUT_BUFS * OUT_TILE_BYTES
 SMEM_BYTES = RING_OFF + STAGES * STAGE_BYTES
+# mbarrier arrival counts (one arrival per thread of the arriving role)
+FULL_COUNT = 32  # producer warp
+EMPTY_COUNT = 32 * NUM_MMA_WARPS  # MMA threads
+OUT_FULL_COUNT = 32 * NUM_MMA_WARPS  # MMA threads
+OUT_EMPTY_COUNT = 32  # store warp
 # mbarrier slots (8 bytes each) in the barrier region
 BAR_FULL, BAR_EMPTY = 0, STAGES
 BAR_OUT_FULL, BAR_OUT_EMPTY = 2 * STAGES, 2 * STAGES + OUT_BUFS
@@ -154,6 +159,12 @@ assert RING_OFF % 128 == 0 and STAGE_BYTES % 128 == 0
 
 # ---- index maps (plain integer arithmetic: used by the kernel on DSL Int32 values and by the
 # CPU fragment simulator in tests/ on numpy ints) ----
+def ring_slot(c, depth):
+    """(slot, parity) of chunk c in a ring of `depth` buffers: the "filled" wait of round
+    c // depth is on parity (c // depth) & 1, the "free" wait on that parity ^ 1."""
+    return c % depth, (c // depth) & 1
+
+
 def state_smem_offset(v, k):
     """Byte offset of S[v, k] (value column v, key index k) in the shared state."""
     return v * STATE_ROW_BYTES + ((k // 8) ^ (v % 8)) * 16 + (k % 8) * 2
@@ -488,11 +499,11 @@ class KdaRecurrenceBaseline:
 
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
-                mbar_init(bars + (BAR_FULL + s) * 8, Int32(32))
-                mbar_init(bars + (BAR_EMPTY + s) * 8, Int32(32 * NUM_MMA_WARPS))
+                mbar_init(bars + (BAR_FULL + s) * 8, Int32(FULL_COUNT))
+                mbar_init(bars + (BAR_EMPTY + s) * 8, Int32(EMPTY_COUNT))
             for b in cutlass.range_constexpr(OUT_BUFS):
-                mbar_init(bars + (BAR_OUT_FULL + b) * 8, Int32(32 * NUM_MMA_WARPS))
-                mbar_init(bars + (BAR_OUT_EMPTY + b) * 8, Int32(32))
+                mbar_init(bars + (BAR_OUT_FULL + b) * 8, Int32(OUT_FULL_COUNT))
+                mbar_init(bars + (BAR_OUT_EMPTY + b) * 8, Int32(OUT_EMPTY_COUNT))
             fence_mbarrier_init()
         mu.cta_barrier()
 
@@ -525,10 +536,10 @@ class KdaRecurrenceBaseline:
             )
             beta_head = mBeta.iterator.toint() + Int64(head) * 2
             for c in range(num_chunks):
-                s = c % STAGES
+                s, par = ring_slot(c, STAGES)
                 full = bars + (BAR_FULL + s) * 8
                 stage = ring + s * STAGE_BYTES
-                mbar_wait(bars + (BAR_EMPTY + s) * 8, ((c // STAGES) & 1) ^ 1)
+                mbar_wait(bars + (BAR_EMPTY + s) * 8, par ^ 1)
                 tok0 = bos + c * CHUNK
                 n_valid = cutlass.min(eos - tok0, Int32(CHUNK))
                 mbar_expect_tx_if(
@@ -556,14 +567,12 @@ class KdaRecurrenceBaseline:
             for i in cutlass.range_constexpr(STAGES):
                 c = num_chunks + i
                 if c >= STAGES:
-                    mbar_wait(
-                        bars + (BAR_EMPTY + c % STAGES) * 8,
-                        ((c // STAGES) & 1) ^ 1,
-                    )
+                    s, par = ring_slot(c, STAGES)
+                    mbar_wait(bars + (BAR_EMPTY + s) * 8, par ^ 1)
         if warp == STORE_WARP:
             for c in range(num_chunks):
-                b = c % OUT_BUFS
-                mbar_wait(bars + (BAR_OUT_FULL + b) * 8, (c // OUT_BUFS) & 1)
+                b, par = ring_slot(c, OUT_BUFS)
+                mbar_wait(bars + (BAR_OUT_FULL + b) * 8, par)
                 tok0 = bos + c * CHUNK
                 n_valid = cutlass.min(eos - tok0, Int32(CHUNK))
                 bulk_s2g_row_if(
@@ -593,9 +602,9 @@ def _mma_warp(
     warp_sync()
 
     for c in range(num_chunks):
-        s = c % STAGES
+        s, par = ring_slot(c, STAGES)
         stage = ring + s * STAGE_BYTES
-        mbar_wait(bars + (BAR_FULL + s) * 8, (c // STAGES) & 1)
+        mbar_wait(bars + (BAR_FULL + s) * 8, par)
         tok0 = bos + c * CHUNK
 
         # P = kd . S^T, Oq = qd . S^T, k-blocks ascending; B operands from the shared state
@@ -653,10 +662,10 @@ def _mma_warp(
 
         # out = bf16(Oq + bf16(Mqk . U)) -> staging tile b (all 16 rows; the store warp writes
         # only the valid ones)
-        ob = c % OUT_BUFS
+        ob, out_par = ring_slot(c, OUT_BUFS)
         out_tile = out_s + ob * OUT_TILE_BYTES
         m_acc = [mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4) for nt in range(NT)]
-        mbar_wait(bars + (BAR_OUT_EMPTY + ob) * 8, ((c // OUT_BUFS) & 1) ^ 1)
+        mbar_wait(bars + (BAR_OUT_EMPTY + ob) * 8, out_par ^ 1)
         for nt in cutlass.range_constexpr(NT):
             col = col_w + nt * 8 + acc_col(lane)
             for half in cutlass.range_constexpr(2):
