@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 
-from ._checks import BLOCK_V_CHOICES, HEAD_DIM
+from ._checks import HEAD_DIM
 
 _DEFAULT_SM_COUNT = 132  # H200; used only when no GPU is visible at trace time
+
+# Measured on the H200 (benchmarks/results/h200-heuristic-grid-20261129.json: recurrence alone,
+# T = 8192, every block_v for H in 1..128 x N in {1, 2, 4, 8}). One chain alone on its SM takes
+# ~240 / 310 / 440 / 750 us at block_v 16 / 32 / 64 / 128; the SMs hold up to three block_v = 16
+# CTAs and two of 32 or 64 at once. Two co-resident block_v = 16 CTAs cost little (~310 us), a
+# third a lot more (~450 us); two block_v = 32 CTAs ~560 us, two block_v = 64 CTAs ~730 us, so
+# once the slices of 32 columns overflow one wave, block_v = 64 wins at every load (it shares each
+# chunk's inputs among 64 columns, and two of its CTAs per SM beat one block_v = 128 CTA: 730 vs
+# 750 us for the same 128 columns).
+_MAX_CTAS_PER_SM_AT_16 = 2
 
 
 @functools.cache
@@ -21,16 +32,25 @@ def gpu_sm_count() -> int:
     return getattr(gpus[0], "core_count", None) or _DEFAULT_SM_COUNT
 
 
-def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None) -> int:
-    """Smallest block_v whose grid (N * H * 128 / block_v CTAs) fits in one wave of the SMs.
+def ctas_per_sm(*, tasks: int, block_v: int, sm_count: int) -> int:
+    """CTAs each SM must run (the busiest SM's share) for `tasks` (sequence, head) pairs."""
+    return math.ceil(tasks * (HEAD_DIM // block_v) / sm_count)
 
-    Narrower slices put more SMs on each head's serial chain, but past one wave the extra CTAs only
-    queue behind each other. When even block_v = 128 overflows a wave, 128 is chosen: it loads each
-    chunk's shared inputs once per head instead of once per slice.
+
+def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None) -> int:
+    """The block_v the H200 measurement found fastest (within noise) for N * H tasks:
+
+    - 16 while no SM has to run more than two of its CTAs (N * H <= SMs / 4, 33 tasks on an
+      H200): the shortest chain per chunk;
+    - else 64: past that, the wider slice does the same work with fewer CTAs per SM.
+
+    32 is never picked: wherever its grid fits one wave (N * H <= SMs / 4 as well), two block_v = 16
+    CTAs per SM are as fast (307 vs 308 us); past one wave it loses to 64. 128 (one CTA per head)
+    is never the fastest either. Both stay available through column_split=, and
+    recurrence="baseline" runs the FlashKDA-structured kernel.
     """
     sms = sm_count or gpu_sm_count()
     tasks = num_seqs * heads
-    for block_v in BLOCK_V_CHOICES:
-        if tasks * (HEAD_DIM // block_v) <= sms:
-            return block_v
-    return BLOCK_V_CHOICES[-1]
+    if ctas_per_sm(tasks=tasks, block_v=16, sm_count=sms) <= _MAX_CTAS_PER_SM_AT_16:
+        return 16
+    return 64
