@@ -12,12 +12,13 @@ set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 EXT="$REPO/.carry/ext"
 OUT="${OUT:-$REPO/gpu_out}"; mkdir -p "$OUT"
-work=$(mktemp -d)
+work="${FLASHKDA_DIR:-/tmp/flashkda}"  # kept: h200_session.sh's bench stage imports the build from here
+mkdir -p "$work"
 tar xzf "$EXT"/flashkda-*.tar.gz -C "$work" && tar xzf "$EXT"/cutlass-*-headers.tar.gz -C "$work" || exit 5
 mkdir -p "$work/bin" && printf '#!/bin/sh\nexit 0\n' > "$work/bin/git" && chmod +x "$work/bin/git"  # setup.py's submodule update
 echo "== build FlashKDA ($(ls "$EXT"/flashkda-*.tar.gz | xargs -n1 basename)), nvcc: $(command -v nvcc || echo none)"
 start=$SECONDS
-(cd "$work/FlashKDA" && PATH="$work/bin:$PATH" FLASH_KDA_CUDA_ARCHS="${FLASH_KDA_CUDA_ARCHS:-90a}" NVCC_THREADS=8 MAX_JOBS=8 \
+(cd "$work/FlashKDA" && PATH="$work/bin:$PATH" FLASH_KDA_VERSION_SUFFIX="+1ce47ea" FLASH_KDA_CUDA_ARCHS="${FLASH_KDA_CUDA_ARCHS:-90a}" NVCC_THREADS=8 MAX_JOBS=8 \
   timeout "${FLASHKDA_BUILD_TIMEOUT:-300}" python3 setup.py -q build_ext --inplace > "$OUT/flashkda_build.log" 2>&1)
 echo "FlashKDA build exit $? after $((SECONDS - start)) s"; tail -n 5 "$OUT/flashkda_build.log"
 refs=()

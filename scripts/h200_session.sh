@@ -42,7 +42,11 @@ for stage in $STAGES; do
       echo "grid exit $?" ;;
     parity)  # issue 3: bitwise against FlashKDA v1 and the stable torch_ref (sources in .carry/ext)
       PYTHONPATH="$site:${PYTHONPATH:-}" bash "$REPO/scripts/flashkda_parity.sh" ;;
-    bench) JAX_KDA_BENCH_ARGS="${JAX_KDA_BENCH_ARGS:---preset baselines --compare fla --out $OUT/bench --no-progress --no-plot}" \
+    bench)
+      if ls "${FLASHKDA_DIR:-/tmp/flashkda}"/FlashKDA/flash_kda_C*.so >/dev/null 2>&1; then  # built by the parity stage
+        export PYTHONPATH="${FLASHKDA_DIR:-/tmp/flashkda}/FlashKDA${PYTHONPATH:+:$PYTHONPATH}"
+      fi
+      JAX_KDA_BENCH_ARGS="${JAX_KDA_BENCH_ARGS:---preset baselines --compare fla --out $OUT/bench --no-progress --no-plot}" \
         BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu bench ;;
   esac
 done
