@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched H200 call (device time is scarce): GPU tests, a compute-sanitizer pass on a small
 # shape, then the benchmark with fla alongside. Needs carry=[".whl", ".carry"]; see gpu_roundtrip.sh.
-#   STAGES: any of "tests sanitizer bench multigpu profile grid parity" (default: tests sanitizer bench)
+#   STAGES: any of "smoke tests sanitizer bench multigpu profile grid parity" (default: tests sanitizer bench)
 #   WHEEL_DIR: where the built wheel is (default .whl; carry it)
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -16,6 +16,11 @@ export WHEEL_DIR="${WHEEL_DIR:-$REPO/.whl}"
 site=$(mktemp -d); python3 -m pip install -q --no-deps --no-index --target "$site" "$WHEEL_DIR"/jax_kda-*.whl || exit 3
 for stage in $STAGES; do
   case $stage in
+    smoke)  # seconds-long baseline-kernel check; on a hang the test stage leaves those tests out
+      echo "== baseline recurrence smoke test"
+      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 120 python3 "$REPO/scripts/baseline_smoke.py")
+      rc=$?; echo "smoke exit $rc"
+      if [[ $rc == 124 ]]; then export PYTEST_ARGS="${PYTEST_ARGS:-} -k not(baseline)"; echo "HUNG: baseline tests deselected"; fi ;;
     tests) GPU_TEST_TIMEOUT="${GPU_TEST_TIMEOUT:-330}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu tests ;;
     sanitizer)
       for tool in memcheck racecheck; do

@@ -1,4 +1,5 @@
-"""A small KDA prefill for compute-sanitizer (memcheck/racecheck): varlen, every block_v, both inverses."""
+"""A small KDA prefill for compute-sanitizer (memcheck/racecheck): varlen (an empty sequence, a
+partial last chunk), every block_v and the baseline recurrence, both inverses."""
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +19,10 @@ def bf16(*shape):
 args = dict(q=bf16(1, T, H, 128), k=bf16(1, T, H, 128), v=bf16(1, T, H, 128), g=bf16(1, T, H, 128),
             beta=bf16(1, T, H), A_log=jnp.zeros((H,), jnp.float32),
             dt_bias=jnp.asarray(rng.standard_normal((H, 128)), jnp.float32))
+recurrences = [dict(column_split=bv) for bv in (16, 32, 64, 128)] + [dict(recurrence="baseline")]
 for inverse in ("stable", "neumann"):
-    for bv in (16, 32, 64, 128):
+    for which in recurrences:
         out, st = jax_kda.kda_prefill(**args, cu_seqlens=jnp.asarray(cu), inverse=inverse,
-                                      column_split=bv, output_final_state=True, backend="kernel")
+                                      output_final_state=True, backend="kernel", **which)
         jax.block_until_ready((out, st))
 print("sanitizer case ran", out.shape, st.shape)
