@@ -3,6 +3,8 @@
 CPU-only (runs in CI). The kernel cubins are embedded as raw data by CuTe DSL's export_to_c, so
 they are cut out of the library (jax_kda/_aot/cubin.py) and disassembled with cuobjdump from the
 nvidia-cuda-cuobjdump wheel (test extra). A package built with JAX_KDA_BUILD_KERNELS=0 skips.
+The specialisations expected are those whose kernel source the package holds (specs.present_specs):
+the baseline recurrence (an optional kernel) is expected exactly when its source is there.
 """
 
 from __future__ import annotations
@@ -80,14 +82,44 @@ def test_library_is_installed_and_registered():
     assert _ffi.kernels_available(), _ffi.unavailable_reason()
 
 
+def expected_specs(archs=specs.ARCHS) -> list[specs.Spec]:
+    """Every required specialisation, plus each optional one whose source the package holds."""
+    present = specs.present_specs(archs=archs)
+    required = [s for s in specs.all_specs(archs) if s.kernel not in specs.OPTIONAL_KERNELS]
+    missing = [s.prefix for s in required if s not in present]
+    assert not missing, f"kernel sources missing from the package: {missing}"
+    return present
+
+
 def test_library_holds_every_specialisation_for_both_archs():
-    expected = {s.prefix for s in specs.all_specs(specs.ARCHS)}
+    expected = {s.prefix for s in expected_specs()}
     assert set(_ffi.built_kernels()) == expected
+
+
+def test_baseline_recurrence_is_built_when_its_source_is_present():
+    names = set(_ffi.built_kernels())
+    baseline = {f"jax_kda_recurrence_baseline_{arch.replace('_', '')}" for arch in specs.ARCHS}
+    if not specs.kernel_source_present("recurrence_baseline"):
+        assert not names & baseline
+        pytest.skip("jax_kda/kernels/recurrence_baseline.py is not in this tree yet")
+    assert baseline <= names
+    # ... registered in the recurrence table under block_v 0 (the generated X-macro list)
+    lines = _aot_spec_lines()
+    if lines is not None:
+        for prefix in baseline:
+            sm = prefix.removeprefix("jax_kda_recurrence_baseline_sm").removesuffix("a")
+            assert f"JAX_KDA_RECURRENCE({prefix}, 0, {sm})" in lines
+
+
+def _aot_spec_lines() -> list[str] | None:
+    """kernels_specs.inc of the build next to the library (a build tree), if there is one."""
+    path = library().parent / "aot" / "kernels_specs.inc"
+    return path.read_text().splitlines() if path.is_file() else None
 
 
 def test_one_cubin_per_specialisation_and_arch(sass):
     sms = sorted(sm for sm, _ in sass)
-    per_arch = len(specs.all_specs(("sm_90a",)))
+    per_arch = len(expected_specs(("sm_90a",)))
     assert sms == [90] * per_arch + [100] * per_arch
     for sm, text in sass:
         assert f"code for sm_{sm}a" in text, f"cubin for sm_{sm} is not arch-specific (sm_{sm}a)"
@@ -117,7 +149,9 @@ def test_recurrence_has_no_local_memory_spills(sass):
         spills = re.findall(r"\b(?:LDL|STL)(?:\.\w+)*\b", text)
         assert not spills, f"{_kernel_name(text)}: local memory traffic {sorted(set(spills))}"
         checked += 1
-    assert checked == 2 * len(specs.RECURRENCE_BLOCK_VS)
+    # every recurrence kernel: the column splits and, when built, the baseline (its kernel function
+    # is expected to be named like the column split's, with "recurrence" in it)
+    assert checked == len([s for s in expected_specs() if s.call == "recurrence"])
 
 
 def _dynamic_symbols(*flags: str) -> set[str]:
