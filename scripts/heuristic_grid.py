@@ -7,6 +7,7 @@ as a jit chain of dependent calls (state fed forward), medians of --repeats samp
 one process. Writes one JSON with every row plus what jax_kda._launch.choose_block_v picks.
 
   python scripts/heuristic_grid.py --out grid.json [--seqs 1,2,4,8] [--heads 1,2,...]
+  python scripts/heuristic_grid.py --markdown grid.json   # the BENCHMARKS.md table (no GPU needed)
 """
 
 from __future__ import annotations
@@ -45,8 +46,27 @@ def device_inputs(key, num_seqs, seqlen, heads):
     }
 
 
+def markdown_table(path):
+    """One row per (N, H): median us per block_v, the fastest, and what choose_block_v picks now
+    (with its time relative to the fastest)."""
+    with open(path) as f:
+        data = json.load(f)
+    cells = {}
+    for row in data["rows"]:
+        cells.setdefault((row["num_seqs"], row["heads"]), {})[row["block_v"]] = row["median_us"]
+    lines = ["| N | H | bv=16 | bv=32 | bv=64 | bv=128 | fastest | heuristic (vs fastest) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (n, h), times in sorted(cells.items()):
+        best = min(times, key=times.get)
+        pick = _launch.choose_block_v(num_seqs=n, heads=h, sm_count=data["sm_count"])
+        lines.append(f"| {n} | {h} | " + " | ".join(f"{times[bv]:.0f}" for bv in BLOCK_VS)
+                     + f" | {best} | {pick} ({times[pick] / times[best]:.2f}x) |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--markdown", metavar="GRID_JSON", help="print the table of a measured grid and exit")
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--seqs", default="1,2,4,8")
     p.add_argument("--heads", default=",".join(map(str, HEADS)))
@@ -54,6 +74,9 @@ def main():
     p.add_argument("--min-chain-ms", type=float, default=3.0)
     p.add_argument("--out", default="heuristic_grid.json")
     args = p.parse_args()
+    if args.markdown:
+        print(markdown_table(args.markdown))
+        return
 
     ok, why = jax_variants.kernels_status()
     if not ok:
