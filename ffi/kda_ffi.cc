@@ -1,6 +1,7 @@
 // XLA FFI handlers for the two jax_kda custom calls (docs/kernel_abi.md):
 //   jax_kda_prepare_v1     q, k, g, beta, A_log, dt_bias, cu_seqlens -> workspace
 //   jax_kda_recurrence_v1  v, beta, workspace, cu_seqlens, state0   -> out, final_state
+//                          (block_v 16/32/64/128: column split; 0: the baseline kernel)
 //
 // Stages: instantiate (compile time) loads the chosen specialisation into every device XLA
 // already uses; initialize (before each run, outside capture) makes sure the stream's device has
@@ -32,10 +33,11 @@ ffi::Error Internal(const std::string& message) {
 }
 
 // The specialisation for (variant, arch of the stream's device), loaded on that device.
+// `describe` names the variant in the error message, e.g. "block_v=32" (only built on error).
 template <typename Args>
 std::string Resolve(std::span<const KernelSpec<Args>> specs, const char* kernel,
-                    const char* variant_name, int variant, cudaStream_t stream, bool in_execute,
-                    const KernelSpec<Args>** out) {
+                    std::string (*describe)(int), int variant, cudaStream_t stream,
+                    bool in_execute, const KernelSpec<Args>** out) {
   int device = 0, sm = 0;
   if (std::string e = StreamDevice(stream, &device); !e.empty()) return e;
   if (std::string e = DeviceArch(device, &sm); !e.empty()) return e;
@@ -47,9 +49,8 @@ std::string Resolve(std::span<const KernelSpec<Args>> specs, const char* kernel,
     // enqueues nothing, so it is legal during capture once the capture mode is relaxed.
     return EnsureLoaded(spec.module, device, /*relax_capture=*/in_execute);
   }
-  return std::string("this jax_kda build has no ") + kernel + " kernel for " + variant_name +
-         "=" + std::to_string(variant) + " on sm_" + std::to_string(sm) +
-         "a (rebuild the package with kernels enabled)";
+  return std::string("this jax_kda build has no ") + kernel + " kernel for " + describe(variant) +
+         " on sm_" + std::to_string(sm) + "a (rebuild the package with kernels enabled)";
 }
 
 // Instantiate stage: no stream and no buffers; load on every device this process already uses
@@ -72,6 +73,8 @@ std::string LoadOnActiveDevices(std::span<const KernelSpec<Args>> specs, int var
 
 // ---------------------------------------------------------------------------------------------
 // prepare
+
+std::string InverseText(int inverse) { return "inverse=" + std::to_string(inverse); }
 
 std::string CheckPrepareAttrs(float scale, float lower_bound, int32_t inverse) {
   if (inverse != 0 && inverse != 1) {
@@ -99,7 +102,7 @@ ffi::Error PrepareInitialize(cudaStream_t stream, ffi::Buffer<ffi::BF16>, ffi::B
                              float scale, float lower_bound, int32_t inverse) {
   JAX_KDA_RETURN_IF(CheckPrepareAttrs(scale, lower_bound, inverse));
   const KernelSpec<PrepareArgs>* spec = nullptr;
-  std::string e = Resolve(PrepareSpecs(), "prepare", "inverse", inverse, stream,
+  std::string e = Resolve(PrepareSpecs(), "prepare", InverseText, inverse, stream,
                           /*in_execute=*/false, &spec);
   if (!e.empty()) return Internal(e);
   return ffi::Error::Success();
@@ -131,7 +134,7 @@ ffi::Error PrepareExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Bu
   a.lower_bound = lower_bound;
   a.stream = stream;
   const KernelSpec<PrepareArgs>* spec = nullptr;
-  std::string e = Resolve(PrepareSpecs(), "prepare", "inverse", inverse, stream,
+  std::string e = Resolve(PrepareSpecs(), "prepare", InverseText, inverse, stream,
                           /*in_execute=*/true, &spec);
   if (e.empty()) e = spec->launch(a);
   if (!e.empty()) return Internal(e);
@@ -141,12 +144,23 @@ ffi::Error PrepareExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Bu
 // ---------------------------------------------------------------------------------------------
 // recurrence
 
+// block_v selects the recurrence kernel: 16, 32, 64 or 128 value columns per CTA (column split,
+// grid (128 / block_v, H, N)) or kBaselineBlockV (the baseline kernel, grid (1, H, N)).
+constexpr int32_t kBaselineBlockV = 0;
+
 std::string CheckBlockV(int32_t block_v) {
-  if (block_v != 16 && block_v != 32 && block_v != 64 && block_v != 128) {
-    return "recurrence: attribute block_v must be 16, 32, 64 or 128, got " +
+  if (block_v != kBaselineBlockV && block_v != 16 && block_v != 32 && block_v != 64 &&
+      block_v != 128) {
+    return "recurrence: attribute block_v must be 0 (baseline kernel) or 16, 32, 64 or 128 "
+           "(column split), got " +
            std::to_string(block_v);
   }
   return {};
+}
+
+std::string BlockVText(int block_v) {
+  return block_v == kBaselineBlockV ? "baseline (block_v=0)"
+                                    : "block_v=" + std::to_string(block_v);
 }
 
 ffi::Error RecurrenceInstantiate(int32_t block_v) {
@@ -164,7 +178,7 @@ ffi::Error RecurrenceInitialize(cudaStream_t stream, ffi::Buffer<ffi::BF16>,
                                 ffi::Result<ffi::Buffer<ffi::BF16>>, int32_t block_v) {
   JAX_KDA_RETURN_IF(CheckBlockV(block_v));
   const KernelSpec<RecurrenceArgs>* spec = nullptr;
-  std::string e = Resolve(RecurrenceSpecs(), "recurrence", "block_v", block_v, stream,
+  std::string e = Resolve(RecurrenceSpecs(), "recurrence", BlockVText, block_v, stream,
                           /*in_execute=*/false, &spec);
   if (!e.empty()) return Internal(e);
   return ffi::Error::Success();
@@ -194,7 +208,7 @@ ffi::Error RecurrenceExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
   if (h == 0) return ffi::Error::Success();  // empty grid: nothing to write
   a.stream = stream;
   const KernelSpec<RecurrenceArgs>* spec = nullptr;
-  std::string e = Resolve(RecurrenceSpecs(), "recurrence", "block_v", block_v, stream,
+  std::string e = Resolve(RecurrenceSpecs(), "recurrence", BlockVText, block_v, stream,
                           /*in_execute=*/true, &spec);
   if (e.empty()) e = spec->launch(a);
   if (!e.empty()) return Internal(e);

@@ -166,7 +166,9 @@ def prepare(q=(BF16, (T, H, 128)), k=(BF16, (T, H, 128)), g=(BF16, (T, H, 128)),
     ({"st": (BF16, (N, H, 128, 64))}, "operand final_state (result) has shape"),
     ({"v": (BF16, (T, H, 64))}, "expected [T_total, H, 128] for the token operands, got [40, 2, 64]"),
     ({"cu": (S32, (1,))}, "cu_seqlens must be int32 [N+1] with N >= 1"),
-    ({"block_v": i32(48)}, "block_v must be 16, 32, 64 or 128, got 48"),
+    ({"block_v": i32(48)}, "block_v must be 0 (baseline kernel) or 16, 32, 64 or 128 (column split), got 48"),
+    ({"block_v": i32(7)}, "block_v must be 0 (baseline kernel) or 16, 32, 64 or 128 (column split), got 7"),
+    ({"block_v": i32(-1)}, "got -1"),
 ])
 def test_recurrence_rejects(change, message):
     error = recurrence(**change)
@@ -225,7 +227,11 @@ def test_misaligned_operand_is_refused():
 
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is not None,
                     reason="a CUDA driver is present: a valid call would launch on null pointers")
-@pytest.mark.parametrize("call", [recurrence, prepare])
+@pytest.mark.parametrize("call", [
+    recurrence, prepare,
+    lambda: recurrence(block_v=i32(0)),  # 0 = the baseline kernel: a valid attribute value
+    lambda: recurrence(block_v=i32(128)),
+], ids=["recurrence", "prepare", "recurrence_baseline", "recurrence_bv128"])
 def test_valid_call_passes_validation_and_stops_at_the_missing_gpu(call):
     error = call()
     assert error is not None and "cudaGetDevice" in error, error  # the first CUDA call
