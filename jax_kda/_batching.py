@@ -13,7 +13,8 @@ them once per vmapped element. Instead `with_folding_vmap` gives the kernel path
   other with lax.map (still the kernels, not JAX's per-primitive fallback).
 
 The folded call goes through the same wrapper again, so nested vmaps fold too. The launch heuristic
-(column split) is evaluated for the folded shape unless the caller fixed it. Folding into N assumes
+(column split) is evaluated for the folded shape unless the caller fixed it; the recurrence kernel
+chosen (recurrence="baseline": block_v = 0) is kept for the folded call. Folding into N assumes
 the contract cu_seqlens[N] = T of each element (checked eagerly, unknowable under jit); with
 malformed values the last sequence of an element absorbs its trailing tokens.
 """

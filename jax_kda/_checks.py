@@ -18,7 +18,12 @@ HEAD_DIM = 128
 CHUNK = 16
 INVERSE_VARIANTS = ("stable", "neumann")
 BACKENDS = ("auto", "kernel", "reference")
-BLOCK_V_CHOICES = (16, 32, 64, 128)
+BLOCK_V_CHOICES = (16, 32, 64, 128)  # column split: value columns per CTA
+# The recurrence custom call's block_v attribute value that selects the baseline kernel (one CTA per
+# (sequence, head), state in shared memory) instead of a column split (docs/kernel_abi.md).
+BASELINE_BLOCK_V = 0
+RECURRENCE_BLOCK_V_VALUES = (*BLOCK_V_CHOICES, BASELINE_BLOCK_V)  # every valid attribute value
+RECURRENCES = ("column_split", "baseline")  # kda_prefill(recurrence=...)
 STATE_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
@@ -77,16 +82,29 @@ def _static_float(name: str, value) -> float:
     return value
 
 
-def check_options(inverse: str, backend: str, block_v) -> None:
+def check_options(inverse: str, backend: str, block_v, recurrence: str = "column_split") -> None:
     if inverse not in INVERSE_VARIANTS:
         raise ValueError(f"kda_prefill: inverse must be one of {INVERSE_VARIANTS}, got {inverse!r}")
     if backend not in BACKENDS:
         raise ValueError(f"kda_prefill: backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(recurrence, str) or recurrence not in RECURRENCES:
+        raise ValueError(f"kda_prefill: recurrence must be one of {RECURRENCES}, got {recurrence!r}")
     if block_v is not None and block_v not in BLOCK_V_CHOICES:
         raise ValueError(
             f"kda_prefill: column_split (value columns per CTA) must be None or one of "
             f"{BLOCK_V_CHOICES}, got {block_v!r}"
         )
+    if recurrence == "baseline" and block_v is not None:
+        raise ValueError(
+            f"kda_prefill: column_split={block_v!r} applies to recurrence='column_split' only; "
+            "recurrence='baseline' runs one CTA per (sequence, head): leave column_split=None"
+        )
+
+
+def recurrence_block_v(recurrence: str, column_split) -> int | None:
+    """The recurrence custom call's block_v for checked options: BASELINE_BLOCK_V for the baseline
+    kernel, else the column split (None = the launch heuristic decides)."""
+    return BASELINE_BLOCK_V if recurrence == "baseline" else column_split
 
 
 def check_inputs(

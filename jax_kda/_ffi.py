@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import BLOCK_V_CHOICES, CHUNK, HEAD_DIM
+from ._checks import (
+    BASELINE_BLOCK_V,
+    BLOCK_V_CHOICES,
+    CHUNK,
+    HEAD_DIM,
+    RECURRENCE_BLOCK_V_VALUES,
+)
 from .kernels.workspace_layout import RECORD_BYTES
 
 LIBRARY_NAME = "libjax_kda_ffi.so"
@@ -198,12 +204,15 @@ def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_boun
 
 def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, block_v, alias_state=True):
     """Custom call 2: the chunk recurrence. Returns (out bf16 [T_total, H, 128],
-    final_state bf16 [N, H, 128, 128]). With alias_state the final state is written into
-    state0's buffer (XLA copies first unless the caller donated it)."""
+    final_state bf16 [N, H, 128, 128]). block_v: value columns per CTA of the column split
+    (16, 32, 64, 128) or BASELINE_BLOCK_V (0) for the baseline kernel; same bits either way.
+    With alias_state the final state is written into state0's buffer (XLA copies first unless
+    the caller donated it)."""
     if v.ndim != 3:
         raise ValueError(f"v: expected [T_total, H, 128], got shape {tuple(v.shape)}")
-    if block_v not in BLOCK_V_CHOICES:
-        raise ValueError(f"block_v: expected one of {BLOCK_V_CHOICES}, got {block_v!r}")
+    if isinstance(block_v, bool) or block_v not in RECURRENCE_BLOCK_V_VALUES:
+        raise ValueError(f"block_v: expected one of {BLOCK_V_CHOICES} (column split) or "
+                         f"{BASELINE_BLOCK_V} (baseline kernel), got {block_v!r}")
     total, heads = v.shape[0], v.shape[1]
     cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
     if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:

@@ -30,6 +30,7 @@ def kda_prefill(
     inverse="stable",
     backend="auto",
     column_split=None,
+    recurrence="column_split",
 ):
     """Kimi Delta Attention prefill (chunked delta-rule recurrence), forward only.
 
@@ -46,6 +47,10 @@ def kda_prefill(
       backend: "auto" (GPU kernels on CUDA when built, else the reference, decided per platform
         at lowering), "kernel" (raise if unavailable) or "reference" (pure JAX, differentiable).
       column_split: None (launch heuristic) or value columns per CTA in {16, 32, 64, 128}.
+      recurrence: which recurrence kernel: "column_split" (default; each head's value columns
+        split over 128 / column_split CTAs) or "baseline" (one CTA per (sequence, head), state in
+        shared memory; column_split must then be None). Both give bitwise the same results; the
+        reference backend ignores it.
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None).
@@ -57,7 +62,7 @@ def kda_prefill(
     "initial_state")) lets the final state reuse its buffer. For head-sharded (tensor-parallel)
     arrays use jax_kda.kda_prefill_sharded, which runs the kernels on each device's local heads.
     """
-    _checks.check_options(inverse, backend, column_split)
+    _checks.check_options(inverse, backend, column_split, recurrence)
     problem = _checks.check_inputs(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -74,7 +79,9 @@ def kda_prefill(
             _require_kernels()
         # The folding vmap rule turns a vmapped call into one kernel launch (see _batching).
         kernel_fn = _batching.with_folding_vmap(
-            functools.partial(_kernel_prefill, inverse=inverse, block_v=column_split), problem
+            functools.partial(_kernel_prefill, inverse=inverse,
+                              block_v=_checks.recurrence_block_v(recurrence, column_split)),
+            problem,
         )
         out, final_state = _inference_only(
             _pick_by_platform(kernel_fn, reference_fn, backend), *arrays
@@ -96,6 +103,8 @@ def _reference_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, *, problem, 
 
 
 def _kernel_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, *, problem, inverse, block_v):
+    """block_v: the recurrence custom call's attribute (column split, or BASELINE_BLOCK_V for the
+    baseline kernel); None = the launch heuristic picks a column split for this problem."""
     from . import _ffi
 
     B, T, H = problem.batch, problem.seqlen, problem.heads

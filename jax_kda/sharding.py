@@ -53,7 +53,8 @@ def kda_prefill_sharded(
       q ... dt_bias, initial_state, cu_seqlens, output_final_state: as kda_prefill.
       mesh: a Mesh or AbstractMesh, or None for the context mesh (jax.set_mesh).
       head_axis: the mesh axis that splits H; H must be a multiple of its size.
-      **options: any other kda_prefill keyword (scale, lower_bound, inverse, backend, column_split).
+      **options: any other kda_prefill keyword (scale, lower_bound, inverse, backend, column_split,
+        recurrence).
 
     Returns:
       (out, final_state or None) as kda_prefill, sharded on H over head_axis.

@@ -178,6 +178,30 @@ def test_bad_column_split(bv):
         call(make_args(), column_split=bv)
 
 
+@pytest.mark.parametrize("recurrence", ["flashkda", "Baseline", None, 0])
+def test_bad_recurrence(recurrence):
+    with pytest.raises(ValueError, match=r"recurrence must be one of \('column_split', 'baseline'\)"):
+        call(make_args(), recurrence=recurrence)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto", "kernel"])
+@pytest.mark.parametrize("bv", [16, 128])
+def test_baseline_recurrence_refuses_a_column_split(backend, bv):
+    """Checked at trace time, before any backend decision (the reference would ignore both)."""
+    args = make_args()
+    with pytest.raises(ValueError, match=rf"column_split={bv} applies to recurrence='column_split'"):
+        jax.jit(lambda a: call(a, recurrence="baseline", column_split=bv, backend=backend)).trace(args)
+
+
+def test_reference_backend_ignores_the_recurrence_kernel():
+    args = make_args(t=21)
+    want = call(args, output_final_state=True)
+    for options in ({"recurrence": "baseline"}, {"recurrence": "column_split", "column_split": 16}):
+        got = call(args, output_final_state=True, **options)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_output_final_state_must_be_bool():
     with pytest.raises(TypeError, match="output_final_state must be a bool"):
         call(make_args(), output_final_state="yes")

@@ -27,9 +27,9 @@ def make_args(seed=0, t=T, h=H):
             jnp.asarray(rng.standard_normal((B, h, 128, 128)), jnp.float32))
 
 
-def model(q, k, v, g, beta, A_log, dt_bias, state, backend="auto"):
+def model(q, k, v, g, beta, A_log, dt_bias, state, backend="auto", **options):
     out, final_state = jax_kda.kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
-                                          output_final_state=True, backend=backend)
+                                          output_final_state=True, backend=backend, **options)
     return out.astype(jnp.float32) * 2.0, final_state  # some surrounding model code
 
 
@@ -80,6 +80,17 @@ def test_plain_jax_export_accepts_the_public_list(cuda_path_lowerable):
     exported = jax_export.export(jax.jit(model), platforms=("cuda",),
                                  disabled_checks=jax_kda.disabled_safety_checks())(*args)
     assert kda_targets(exported.mlir_module()) == ["jax_kda_prepare_v1", "jax_kda_recurrence_v1"]
+
+
+def test_export_of_the_baseline_kernel_uses_the_same_target(cuda_path_lowerable):
+    """recurrence="baseline" is an attribute value (block_v = 0) of the same versioned target, so
+    the export helpers need nothing new."""
+    args = make_args(seed=4)
+    exported = jax_kda.export.export(jax.jit(partial(model, recurrence="baseline")),
+                                     platforms=("cuda",))(*args)
+    text = exported.mlir_module()
+    assert kda_targets(text) == ["jax_kda_prepare_v1", "jax_kda_recurrence_v1"]
+    assert re.findall(r"block_v = (\d+) : i32", text) == ["0"]
 
 
 def test_cpu_only_export_needs_no_disabled_checks():

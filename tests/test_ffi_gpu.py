@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jax_kda import _ffi
-
+from jax_kda._aot import specs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,7 +56,14 @@ def test_kernels_run_and_are_deterministic():
     np.testing.assert_array_equal(np.asarray(st1.view(jnp.uint16)), np.asarray(st2.view(jnp.uint16)))
 
 
-@pytest.mark.parametrize("block_v", _ffi.BLOCK_V_CHOICES)
+# block_v 0 = the baseline kernel, expected wherever the package holds its source.
+BLOCK_V_VALUES = [*_ffi.BLOCK_V_CHOICES, pytest.param(
+    _ffi.BASELINE_BLOCK_V, id="baseline",
+    marks=pytest.mark.skipif(not specs.kernel_source_present("recurrence_baseline"),
+                             reason="jax_kda/kernels/recurrence_baseline.py not in the package"))]
+
+
+@pytest.mark.parametrize("block_v", BLOCK_V_VALUES)
 @pytest.mark.parametrize("inverse", ["stable", "neumann"])
 def test_every_specialisation_launches(block_v, inverse):
     out, state = jax.jit(_run, static_argnames=("block_v", "inverse"))(
@@ -88,7 +95,7 @@ def test_handler_attribute_errors_reach_python():
     ws = jnp.zeros((H, 7, _ffi.RECORD_BYTES), jnp.uint8)
     call = jax.ffi.ffi_call(_ffi.RECURRENCE_TARGET, (jax.ShapeDtypeStruct(v.shape, v.dtype),
                                                      jax.ShapeDtypeStruct(state0.shape, state0.dtype)))
-    with pytest.raises(Exception, match="block_v must be 16, 32, 64 or 128, got 48"):
+    with pytest.raises(Exception, match=r"block_v must be 0 \(baseline kernel\) or 16, 32, 64 or 128 \(column split\), got 48"):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, block_v=np.int32(48)))(v, beta, ws, cu, state0))
 
 

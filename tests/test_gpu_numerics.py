@@ -5,7 +5,8 @@
   travel through the recurrence. Bound: relative RMSE <= 2.5e-3 (half the oracle tolerance) and at
   least 50 % of elements bit-equal; the measured figures are printed (run pytest with -s).
 - the prepare kernel's workspace vs the reference's prepare: nearly all elements bit-equal.
-- kernel vs kernel: every column split (block_v) gives the same bits as every other.
+- kernel vs kernel: every column split (block_v) and the baseline kernel (recurrence="baseline",
+  when its source is in the package) give the same bits as every other.
 - kernel vs float64 oracle: relative RMSE <= 5e-3.
 """
 
@@ -20,8 +21,8 @@ import pytest
 
 import jax_kda
 from jax_kda import _ffi, oracle, reference
+from jax_kda._aot import specs
 from jax_kda.kernels import workspace_layout
-
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,6 +30,16 @@ pytestmark = [
 ]
 
 BLOCK_VS = _ffi.BLOCK_V_CHOICES
+# The baseline recurrence kernel lands separately: it is compared wherever the package holds its
+# source (then the library must hold it too, or the call fails).
+BASELINE_IN_PACKAGE = specs.kernel_source_present("recurrence_baseline")
+needs_baseline = pytest.mark.skipif(not BASELINE_IN_PACKAGE,
+                                    reason="jax_kda/kernels/recurrence_baseline.py not in the package")
+
+
+def kernel_choice(recurrence) -> dict:
+    """kda_prefill options for a column split width (int) or "baseline"."""
+    return {"recurrence": "baseline"} if recurrence == "baseline" else {"column_split": recurrence}
 
 
 def make_inputs(rng, B, T, H, *, g_scale=1.0, state=None, state_scale=0.1):
@@ -69,12 +80,14 @@ def compare(name, got, want):
     return rel, equal, ulp
 
 
-def run_both(args, inverse="stable", **arrays):
+def run_both(args, inverse="stable", options=None, **arrays):
     """(kernel on the GPU, reference on the CPU, where CI validates it against the oracle).
-    `arrays`: cu_seqlens / initial_state, passed as jit arguments."""
+    `arrays`: cu_seqlens / initial_state, passed as jit arguments; `options`: more kda_prefill
+    keywords (the reference ignores the kernel choice)."""
     def run(backend):
         return jax.jit(lambda a, extra: jax_kda.kda_prefill(
-            **a, **extra, inverse=inverse, backend=backend, output_final_state=True))
+            **a, **extra, inverse=inverse, backend=backend, output_final_state=True,
+            **(options or {})))
 
     cpu = jax.devices("cpu")[0]
     return run("kernel")(args, arrays), run("reference")(*jax.device_put((args, arrays), cpu))
@@ -91,6 +104,17 @@ CASES = [  # (B, T, H, cu_seqlens or None)
 @pytest.mark.parametrize("init_dtype", [None, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}{'varlen' if c[3] else ''}")
 def test_kernel_matches_reference(case, init_dtype, inverse):
+    check_against_reference(case, init_dtype, inverse)
+
+
+@needs_baseline
+@pytest.mark.parametrize("inverse", ["stable", "neumann"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["B2T100H3", "varlen"])
+def test_baseline_kernel_matches_reference(case, inverse):
+    check_against_reference(case, jnp.float32, inverse, options={"recurrence": "baseline"})
+
+
+def check_against_reference(case, init_dtype, inverse, options=None):
     B, T, H, cu = case
     rng = np.random.default_rng()
     args = make_inputs(rng, B, T, H)
@@ -100,7 +124,7 @@ def test_kernel_matches_reference(case, init_dtype, inverse):
         arrays["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
     if init_dtype is not None:
         arrays["initial_state"] = random_state(rng, N, H, init_dtype)
-    (out_k, st_k), (out_r, st_r) = run_both(args, inverse=inverse, **arrays)
+    (out_k, st_k), (out_r, st_r) = run_both(args, inverse=inverse, options=options, **arrays)
     assert out_k.dtype == out_r.dtype == jnp.bfloat16
     assert st_k.dtype == st_r.dtype == (init_dtype or jnp.bfloat16)
     rel, equal, _ = compare("out", out_k, out_r)
@@ -169,7 +193,7 @@ def _shapes_for_bitwise():
 
 
 @pytest.mark.parametrize("shape", _shapes_for_bitwise(), ids=lambda s: f"B{s[0]}T{s[1]}H{s[2]}{'v' if s[3] else ''}")
-def test_every_column_split_is_bitwise_identical(shape):
+def test_every_column_split_and_the_baseline_are_bitwise_identical(shape):
     B, T, H, cu = shape
     rng = np.random.default_rng()
     args = make_inputs(rng, B, T, H)
@@ -179,13 +203,15 @@ def test_every_column_split_is_bitwise_identical(shape):
               inverse="neumann" if H == 6 else "stable")
     if cu is not None:
         kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
-    results = {bv: jax.jit(lambda a, bv=bv: jax_kda.kda_prefill(**a, column_split=bv, **kw))(args)
-               for bv in BLOCK_VS}
+    kernels = BLOCK_VS + (("baseline",) if BASELINE_IN_PACKAGE else ())
+    results = {r: jax.jit(lambda a, r=r: jax_kda.kda_prefill(**a, **kernel_choice(r), **kw))(args)
+               for r in kernels}
     base_out, base_state = results[128]
     assert np.isfinite(np.asarray(base_out.astype(jnp.float32))).all() or kw["inverse"] == "neumann"
-    for bv, (out, state) in results.items():
-        np.testing.assert_array_equal(bits(out), bits(base_out), err_msg=f"out, block_v={bv}")
-        np.testing.assert_array_equal(bits(state), bits(base_state), err_msg=f"state, block_v={bv}")
+    # every kernel equals block_v 128, hence every other: out and final state, every bit
+    for r, (out, state) in results.items():
+        np.testing.assert_array_equal(bits(out), bits(base_out), err_msg=f"out, {r} vs 128")
+        np.testing.assert_array_equal(bits(state), bits(base_state), err_msg=f"state, {r} vs 128")
 
 
 @pytest.mark.parametrize("g_value", [-8.0, -4.0, 0.0, 8.0, "uniform", "normal"])

@@ -104,11 +104,39 @@ def test_prepare_attributes_are_f32_and_i32(inverse, inverse_id):
     assert not re.search(r": (i64|f64)", line)
 
 
-@pytest.mark.parametrize("block_v", [16, 32, 64, 128])
+@pytest.mark.parametrize("block_v", [16, 32, 64, 128, 0])  # 0: the baseline kernel
 def test_recurrence_block_v_attribute_is_i32(block_v):
     line = _custom_calls(_lower_both(40, 2, 2, block_v=block_v))["jax_kda_recurrence_v1"]
     assert f"block_v = {block_v} : i32" in line
     assert not re.search(r": (i64|f64)", line)
+
+
+@pytest.mark.parametrize("column_split", [None, 64])
+def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, column_split):
+    """recurrence="baseline" emits the same recurrence custom call with block_v = 0; the default
+    ("column_split") emits the column split (the heuristic's or the requested one)."""
+    import jax_kda
+    from jax_kda import _checks, _launch, api
+
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)  # lowering needs no GPU
+    B, T, H = 2, 40, 3
+    S = jax.ShapeDtypeStruct
+    args = [S((B, T, H, 128), BF16)] * 4 + [S((B, T, H), BF16), S((H,), F32), S((H, 128), F32)]
+
+    def lower(**options):
+        fn = lambda *a: jax_kda.kda_prefill(*a, backend="kernel", output_final_state=True,
+                                            **options)
+        return _custom_calls(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+
+    baseline = lower(recurrence="baseline")
+    assert set(baseline) == {"jax_kda_prepare_v1", "jax_kda_recurrence_v1"}
+    assert f"block_v = {_checks.BASELINE_BLOCK_V} : i32" in baseline["jax_kda_recurrence_v1"]
+    assert _checks.BASELINE_BLOCK_V == 0
+    split = lower(recurrence="column_split", column_split=column_split)["jax_kda_recurrence_v1"]
+    want = column_split or _launch.choose_block_v(num_seqs=B, heads=H)
+    assert f"block_v = {want} : i32" in split
+    # the prepare call does not depend on the recurrence kernel
+    assert baseline["jax_kda_prepare_v1"] == lower()["jax_kda_prepare_v1"]
 
 
 def test_final_state_aliases_initial_state_on_request():
@@ -163,6 +191,7 @@ def test_recurrence_wrapper_rejects_wrong_workspace_and_block_v():
         jax.jit(lambda *x: _ffi.recurrence_call(*x, block_v=32)).trace(
             a["v"], a["beta"], bad_ws, a["cu_seqlens"], a["state0"])
     good_ws = jax.ShapeDtypeStruct((2, 5, 13824), jnp.uint8)
-    with pytest.raises(ValueError, match="block_v"):
-        jax.jit(lambda *x: _ffi.recurrence_call(*x, block_v=48)).trace(
-            a["v"], a["beta"], good_ws, a["cu_seqlens"], a["state0"])
+    for bad in (48, 7, True, None, "baseline"):
+        with pytest.raises(ValueError, match=r"block_v: expected one of .* or 0 \(baseline kernel\)"):
+            jax.jit(lambda *x, bad=bad: _ffi.recurrence_call(*x, block_v=bad)).trace(
+                a["v"], a["beta"], good_ws, a["cu_seqlens"], a["state0"])

@@ -182,19 +182,21 @@ def recurrence_block_v(text):
 
 
 @on_virtual_devices
-def test_cuda_lowering_runs_kernels_on_local_heads(monkeypatch):
+@pytest.mark.parametrize("recurrence", ["column_split", "baseline"])
+def test_cuda_lowering_runs_kernels_on_local_heads(monkeypatch, recurrence):
     pytest.importorskip("jax_kda._ffi")
     monkeypatch.setattr(api, "_require_kernels", lambda: None)  # lowering needs no GPU
     mesh = head_mesh()
     args = make_args(seed=5)
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True,
-                         backend="kernel"))
+                         backend="kernel", recurrence=recurrence))
     text = fn.trace(**put_head_sharded(args, mesh)).lower(lowering_platforms=("cuda",)).as_text()
     local = H // DEVICES
     assert re.search(rf"custom_call @jax_kda_prepare_v1\(.*tensor<{B * T}x{local}x128xbf16>", text)
     assert re.search(rf"custom_call @jax_kda_recurrence_v1\(.*tensor<{B}x{local}x128x128xbf16>", text)
-    # The launch heuristic ran on the local head count.
-    assert recurrence_block_v(text) == [_launch.choose_block_v(num_seqs=B, heads=local)]
+    # The launch heuristic ran on the local head count (the baseline kernel has no column split).
+    want = 0 if recurrence == "baseline" else _launch.choose_block_v(num_seqs=B, heads=local)
+    assert recurrence_block_v(text) == [want]
     assert not [c for c in ("all_gather", "all_to_all", "collective_permute", "all_reduce")
                 if c in text]
 

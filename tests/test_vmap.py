@@ -258,7 +258,8 @@ def custom_call_targets(text):
     return re.findall(r"custom_call @(jax_kda_\w+)\(", text)
 
 
-def test_vmapped_kernel_call_lowers_to_one_pair_of_custom_calls(monkeypatch):
+@pytest.mark.parametrize("recurrence", ["column_split", "baseline"])
+def test_vmapped_kernel_call_lowers_to_one_pair_of_custom_calls(monkeypatch, recurrence):
     pytest.importorskip("jax_kda._ffi")
     monkeypatch.setattr(api, "_require_kernels", lambda: None)
     n, b, t = 3, 2, 24
@@ -266,16 +267,21 @@ def test_vmapped_kernel_call_lowers_to_one_pair_of_custom_calls(monkeypatch):
     args = [batch[a] for a in ORDER[:8]]
     in_axes = (0, 0, 0, 0, 0, None, None, 0)
     args = [x[0] if ax is None else x for x, ax in zip(args, in_axes)]
-    text = (jax.jit(jax.vmap(public_call("kernel"), in_axes=in_axes)).trace(*args)
+    call = public_call("kernel", recurrence=recurrence)
+    text = (jax.jit(jax.vmap(call, in_axes=in_axes)).trace(*args)
             .lower(lowering_platforms=("cuda",)).as_text())
     targets = custom_call_targets(text)
     assert sorted(targets) == ["jax_kda_prepare_v1", "jax_kda_recurrence_v1"], targets
     # The kernels see all n*B sequences as one packed call: [n*B*T, H, 128] tokens.
     assert f"tensor<{n * b * t}x{H}x128xbf16>" in text
     assert f"tensor<{n * b}x{H}x128x128xbf16>" in text
-    # The launch heuristic chose the column split for the folded problem (n*B sequences).
+    # The launch heuristic chose the column split for the folded problem (n*B sequences); the
+    # baseline kernel stays the baseline kernel through the folding.
     block_v = [int(m) for m in re.findall(r"block_v = (\d+) : i32", text)]
-    assert block_v == [_launch.choose_block_v(num_seqs=n * b, heads=H)]
+    if recurrence == "baseline":
+        assert block_v == [_checks.BASELINE_BLOCK_V]
+    else:
+        assert block_v == [_launch.choose_block_v(num_seqs=n * b, heads=H)]
 
 
 def test_vmapped_head_parameters_lower_to_one_call_with_more_heads(monkeypatch):
