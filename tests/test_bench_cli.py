@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -104,6 +105,20 @@ def test_bad_arguments_fail_with_a_message():
     assert done.returncode != 0 and "block_v" in done.stderr
 
 
+def test_baseline_kernel_variants_are_parsed_and_labelled():
+    done = subprocess.run([sys.executable, "-m", "jax_kda.bench", "--variants", "recurrence,total",
+                           "--block-v", "16,32,baseline", "--total-block-v", "baseline,auto",
+                           "--seqlen", "16", "--heads", "1", "--dry-run"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ("variants: recurrence:bv=16, recurrence:bv=32, recurrence:bv=baseline, "
+            "total:bv=baseline, total:bv=auto") in done.stdout
+    done = subprocess.run([sys.executable, "-m", "jax_kda.bench", "--total-block-v", "basline",
+                           "--variants", "total", "--dry-run"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode != 0 and "baseline, got basline" in done.stderr
+
+
 def test_baseline_preset_is_the_baselines_table():
     names = [c.name for c in cases.baseline_cases()]
     assert names == ["T8192_H96", "T8192_H48", "T8192_H24", "T8192_H12", "T8192_H6",
@@ -146,7 +161,8 @@ def test_markdown_tables_hold_the_measured_medians(bench_run):
 
 @pytest.mark.parametrize("kind,block_v,prepares,recurrences", [
     ("prepare", None, 3, 0), ("recurrence", 32, 0, 3), ("recurrence", "auto", 0, 3),
-    ("total", 128, 3, 3), ("total", "auto", 3, 3)])
+    ("total", 128, 3, 3), ("total", "auto", 3, 3), ("recurrence", "baseline", 0, 3),
+    ("total", "baseline", 3, 3)])
 def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
         monkeypatch, kind, block_v, prepares, recurrences):
     """What the GPU timing will compile: R chained calls, each with its custom calls, for CUDA."""
@@ -170,3 +186,8 @@ def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
             .lower(lowering_platforms=("cuda",)).as_text())
     assert text.count("@jax_kda_prepare_v1") == prepares
     assert text.count("@jax_kda_recurrence_v1") == recurrences
+    attrs = re.findall(r"block_v = (\d+) : i32", text)
+    if block_v == "baseline":  # the baseline kernel: attribute value 0, labelled "baseline"
+        assert info["block_v_used"] == "baseline" and attrs == ["0"] * 3
+    elif recurrences:
+        assert attrs == [str(info["block_v_used"])] * 3

@@ -4,6 +4,7 @@ Examples:
   python -m jax_kda.bench                                  # BASELINES.md cases on a GPU
   python -m jax_kda.bench --seqlen 8192 --heads 96,12,6 --compare fla --compare flashkda
   python -m jax_kda.bench --variants recurrence --block-v 32,64,128,auto --seqlen 8192 --heads 6
+  python -m jax_kda.bench --block-v 16,32,baseline --total-block-v baseline,auto  # baseline kernel too
   python -m jax_kda.bench --variants reference --seqlen 64 --heads 2   # CPU, tiny
 """
 
@@ -19,7 +20,14 @@ import traceback
 from pathlib import Path
 
 from . import cases as cases_mod
-from .jax_variants import KINDS, Variant, VariantUnavailable, kernels_status
+from .jax_variants import (
+    AUTO,
+    BASELINE,
+    KINDS,
+    Variant,
+    VariantUnavailable,
+    kernels_status,
+)
 from .progress import progress_bar
 from .torch_compare import COMPARE_CHOICES
 
@@ -46,13 +54,16 @@ def _parser() -> argparse.ArgumentParser:
                    "prepare,recurrence,total with kernels, else reference)")
     g.add_argument("--block-v", default=DEFAULT_BLOCK_V,
                    help=f"block_v values for 'recurrence' (default {DEFAULT_BLOCK_V}; "
-                   "128 = one CTA per head, auto = the launch heuristic)")
+                   "128 = one CTA per head, auto = the launch heuristic, baseline = the baseline "
+                   "recurrence kernel: one CTA per head, state in shared memory)")
     g.add_argument("--total-block-v", default=DEFAULT_TOTAL_BLOCK_V,
-                   help=f"block_v values for 'total' (default {DEFAULT_TOTAL_BLOCK_V})")
+                   help=f"block_v values for 'total' (default {DEFAULT_TOTAL_BLOCK_V}; "
+                   "also auto and baseline)")
     g.add_argument("--compare", action="append", default=[], choices=COMPARE_CHOICES,
                    help="also time fla's chunk_kda or FlashKDA through torch (repeatable)")
     g.add_argument("--baseline", help="variant the ratios are relative to (default total:bv=128 "
-                   "when timed, else the first variant)")
+                   "when timed, else the first variant), e.g. total:bv=baseline for the baseline "
+                   "kernel")
     g.add_argument("--inverse", choices=("stable", "neumann"), default="stable")
     g = p.add_argument_group("timing")
     g.add_argument("--repeats", type=int, default=20, help="samples per variant (median; default 20)")
@@ -77,9 +88,10 @@ def _parse_block_v(text: str, what: str) -> list[int | str]:
 
     values: list[int | str] = []
     for part in (s.strip() for s in text.split(",") if s.strip()):
-        value: int | str = part if part == "auto" else int(part)
-        if value != "auto" and value not in BLOCK_V_CHOICES:
-            raise ValueError(f"{what}: block_v must be one of {BLOCK_V_CHOICES} or auto, got {part}")
+        value: int | str = int(part) if part.isdigit() else part
+        if value not in (AUTO, BASELINE, *BLOCK_V_CHOICES):
+            raise ValueError(f"{what}: block_v must be one of {BLOCK_V_CHOICES}, {AUTO} or "
+                             f"{BASELINE}, got {part}")
         values.append(value)
     return values
 

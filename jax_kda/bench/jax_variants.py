@@ -7,6 +7,8 @@ import dataclasses
 from .cases import Case
 
 KINDS = ("prepare", "recurrence", "total", "reference")
+AUTO = "auto"  # Variant.block_v: the launch heuristic's column split
+BASELINE = "baseline"  # Variant.block_v: the baseline recurrence kernel (one CTA per head)
 
 
 class VariantUnavailable(RuntimeError):
@@ -16,7 +18,7 @@ class VariantUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Variant:
     kind: str  # prepare | recurrence | total | reference | fla | flashkda
-    block_v: int | str | None = None  # value columns per CTA; "auto" = launch heuristic
+    block_v: int | str | None = None  # value columns per CTA, AUTO or BASELINE (the baseline kernel)
 
     @property
     def name(self) -> str:
@@ -103,7 +105,7 @@ def compute_workspace(prepare, prepare_args):
 def build(variant: Variant, case: Case, x: dict, *, inverse: str):
     """(fn, args, feedback, info): fn(*args) runs the variant once on the case's (jax) inputs x;
     feedback(args, outputs) gives the next call's args (see timing.py); info holds what the
-    variant resolved (the block_v that "auto" picked)."""
+    variant resolved (the block_v that "auto" picked; "baseline" for the baseline kernel)."""
     import jax.numpy as jnp
 
     from .. import kda_prefill
@@ -121,18 +123,22 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
     ok, why = kernels_status()
     if not ok:
         raise VariantUnavailable(why)
-    from .. import _ffi, _launch
+    from .. import _checks, _ffi, _launch
 
     block_v = variant.block_v
-    if block_v == "auto":
+    if block_v == AUTO:
         block_v = _launch.choose_block_v(num_seqs=case.num_seqs, heads=case.heads)
     info = {"block_v_used": block_v}
+    if block_v == BASELINE:  # the custom call's attribute, and kda_prefill's spelling
+        block_v, kernel_choice = _checks.BASELINE_BLOCK_V, {"recurrence": "baseline"}
+    else:
+        kernel_choice = {"column_split": block_v}
     cu = jnp.asarray(case.cu_seqlens(), jnp.int32)  # the packed view of batched inputs too
 
     if variant.kind == "total":
         def total(q, k, v, g, beta, A_log, dt_bias, state):
             return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
-                               output_final_state=True, backend="kernel", column_split=block_v,
+                               output_final_state=True, backend="kernel", **kernel_choice,
                                **opts, **extra)
         return total, gate_args, _state_feedback, info
 
