@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import _launch
 
 B, T, H = 2, 20, 3
 
@@ -235,15 +234,3 @@ def test_final_state_dtype_follows_initial_state():
     assert st.dtype == jnp.bfloat16
     _, st = call(args)
     assert st is None
-
-
-@pytest.mark.parametrize("sms", [132, 148, 78])
-def test_block_v_heuristic_is_smallest_slice_within_one_wave(sms):
-    choices = (16, 32, 64, 128)
-    for tasks in range(1, 300):
-        got = _launch.choose_block_v(num_seqs=1, heads=tasks, sm_count=sms)
-        fits = [bv for bv in choices if tasks * (128 // bv) <= sms]
-        assert got == (fits[0] if fits else 128), (tasks, sms, got)
-    # N and H enter only through their product
-    assert _launch.choose_block_v(num_seqs=4, heads=6, sm_count=132) == _launch.choose_block_v(
-        num_seqs=1, heads=24, sm_count=132)
