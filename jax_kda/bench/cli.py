@@ -233,9 +233,9 @@ def main(argv=None) -> int:
                 print(f"  {case.name:28s} {variant.name:22s} "
                       + (f"{row['median_us']:10.1f} us" if "median_us" in row else row["status"]),
                       flush=True)
+            # after every measurement, so that a run cut short by a time limit keeps all it measured
+            write_json(paths["json"], meta, [c.as_dict() for c in cases[:done]], results)
         del jax_inputs
-        # after every case, so that a run cut short by a time limit keeps what it measured
-        write_json(paths["json"], meta, [c.as_dict() for c in cases[:done]], results)
     bar.close()
 
     add_ratios(results, baseline)
