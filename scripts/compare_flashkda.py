@@ -58,7 +58,7 @@ def draw_inputs(rng, layout, lengths, heads):
 
 
 def run_jax(x, state_dtype, inverse):
-    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
     init = None if state_dtype is None else jnp.asarray(x["state"]).astype(jnp.bfloat16).astype(state_dtype)
     cu = None if x["cu_seqlens"] is None else jnp.asarray(x["cu_seqlens"], jnp.int32)
     out, final = jax_kda.kda_prefill(
@@ -72,7 +72,7 @@ def torch_inputs(x, state_dtype):
     import torch
 
     dev = "cuda"
-    t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev).to(dt).contiguous()  # noqa: E731
+    t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev).to(dt).contiguous()
     bf16 = torch.bfloat16
     d = {name: t(x[name], bf16) for name in ("q", "k", "v", "g", "beta")}
     d["A_log"], d["dt_bias"] = t(x["A_log"], torch.float32), t(x["dt_bias"], torch.float32)

@@ -23,6 +23,8 @@ from jax_kda import _launch
 from jax_kda.bench import cases, jax_variants, timing
 
 BLOCK_VS = (16, 32, 64, 128)
+# The FlashKDA-structured kernel, timed alongside (--with-baseline) so a later heuristic can pick it.
+BASELINE = jax_variants.BASELINE
 HEADS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -54,12 +56,13 @@ def markdown_table(path):
     cells = {}
     for row in data["rows"]:
         cells.setdefault((row["num_seqs"], row["heads"]), {})[row["block_v"]] = row["median_us"]
-    lines = ["| N | H | bv=16 | bv=32 | bv=64 | bv=128 | fastest | heuristic (vs fastest) |",
-             "|---|---|---|---|---|---|---|---|"]
+    kinds = [bv for bv in (*BLOCK_VS, BASELINE) if any(bv in t for t in cells.values())]
+    lines = ["| N | H | " + " | ".join(f"bv={bv}" for bv in kinds) + " | fastest | heuristic (vs fastest) |",
+             "|---|---|" + "---|" * (len(kinds) + 2)]
     for (n, h), times in sorted(cells.items()):
         best = min(times, key=times.get)
         pick = _launch.choose_block_v(num_seqs=n, heads=h, sm_count=data["sm_count"])
-        lines.append(f"| {n} | {h} | " + " | ".join(f"{times[bv]:.0f}" for bv in BLOCK_VS)
+        lines.append(f"| {n} | {h} | " + " | ".join(f"{times[bv]:.0f}" if bv in times else "" for bv in kinds)
                      + f" | {best} | {pick} ({times[pick] / times[best]:.2f}x) |")
     return "\n".join(lines)
 
@@ -73,6 +76,7 @@ def main():
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--min-chain-ms", type=float, default=3.0)
     p.add_argument("--out", default="heuristic_grid.json")
+    p.add_argument("--with-baseline", action="store_true", help="also time recurrence=\"baseline\"")
     args = p.parse_args()
     if args.markdown:
         print(markdown_table(args.markdown))
@@ -90,7 +94,7 @@ def main():
             x = device_inputs(jax.random.key(num_seqs * 1000 + heads), num_seqs, args.seqlen, heads)
             x["cu_seqlens"] = jnp.asarray(case.cu_seqlens(), jnp.int32)
             auto = _launch.choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sms)
-            for block_v in BLOCK_VS:
+            for block_v in BLOCK_VS + ((BASELINE,) if args.with_baseline else ()):
                 variant = jax_variants.Variant("recurrence", block_v)
                 fn, fn_args, feedback, _ = jax_variants.build(variant, case, x, inverse="stable")
                 t = timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=2, inner=2,
