@@ -1,6 +1,13 @@
 """Shared fixtures."""
 
+import pathlib
+import sys
+
 import pytest
+
+# Test modules import the helpers beside them (kernel_sim.py) also under --import-mode=importlib,
+# which the GPU round trip uses and which does not put this folder on sys.path.
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from jax_kda import _ffi
 

@@ -20,7 +20,6 @@
 import itertools
 import os
 import random
-import shutil
 import subprocess
 import time
 
@@ -30,38 +29,17 @@ import pytest
 pytest.importorskip("cutlass")
 bl = pytest.importorskip("jax_kda.kernels.recurrence_baseline")
 rec = pytest.importorskip("jax_kda.kernels.recurrence")
-
-LANES = np.arange(32)
-
-
-# ------------------------------------------------------------------------------------------
-# PTX ISA fragment semantics (independent of the kernel code)
-# ------------------------------------------------------------------------------------------
-def frag_of(x):
-    """8x8 matrix -> (32, 2): lane l holds x[l // 4][2(l % 4)], x[l // 4][2(l % 4) + 1]."""
-    return np.stack(
-        [x[LANES // 4, 2 * (LANES % 4)], x[LANES // 4, 2 * (LANES % 4) + 1]], axis=1
-    )
-
-
-def mat_of(frag):
-    x = np.zeros((8, 8))
-    x[LANES // 4, 2 * (LANES % 4)] = frag[:, 0]
-    x[LANES // 4, 2 * (LANES % 4) + 1] = frag[:, 1]
-    return x
-
-
-def movmatrix_trans(frag):
-    return frag_of(mat_of(frag).T)
-
-
-def ldmatrix_x4(mem, addrs, trans=False):
-    """mem: float64 array of 16-bit elements (index = byte address // 2); addrs: (32,) bytes."""
-    out = []
-    for i in range(4):
-        rows = np.stack([mem[a // 2 : a // 2 + 8] for a in addrs[8 * i : 8 * i + 8]])
-        out.append(frag_of(rows.T if trans else rows))
-    return out
+from kernel_sim import (
+    LANES,
+    build_record,
+    cuda_tool,
+    ldmatrix_x4,
+    mat_of,
+    mma_16816,
+    movmatrix_trans,
+    pack,
+    single_cubin,
+)
 
 
 def stmatrix_x4_trans(mem, addrs, regs):
@@ -70,29 +48,6 @@ def stmatrix_x4_trans(mem, addrs, regs):
         rows = mat_of(regs[i]).T
         for r, a in enumerate(addrs[8 * i : 8 * i + 8]):
             mem[a // 2 : a // 2 + 8] = rows[r]
-
-
-def mma_16816(a, b, c):
-    """D = A.B + C with the m16n8k16 register layouts of the PTX ISA."""
-    g, t = LANES // 4, LANES % 4
-    A = np.zeros((16, 16))
-    B = np.zeros((16, 8))
-    C = np.zeros((16, 8))
-    for e in range(2):
-        A[g, 2 * t + e] = a[0][:, e]
-        A[g + 8, 2 * t + e] = a[1][:, e]
-        A[g, 2 * t + 8 + e] = a[2][:, e]
-        A[g + 8, 2 * t + 8 + e] = a[3][:, e]
-        B[2 * t + e, g] = b[0][:, e]
-        B[2 * t + 8 + e, g] = b[1][:, e]
-        C[g, 2 * t + e] = c[e]
-        C[g + 8, 2 * t + e] = c[2 + e]
-    Dm = A @ B + C
-    return [Dm[g, 2 * t], Dm[g, 2 * t + 1], Dm[g + 8, 2 * t], Dm[g + 8, 2 * t + 1]]
-
-
-def pack(lo, hi):
-    return np.stack([lo, hi], axis=1)
 
 
 def banks(byte_addrs, width):
@@ -183,16 +138,6 @@ def test_state_copy_covers_the_warps_rows_once(warp):
 # ------------------------------------------------------------------------------------------
 # Fragment simulator: the CTA's four MMA warps over a few chunks, state in shared memory
 # ------------------------------------------------------------------------------------------
-def build_record(kd, qd, kr, gt, inv, mqk):
-    """The workspace record per docs/kernel_abi.md, as 16-bit element slots + an f32 gt array."""
-    mem = np.zeros(rec.RECORD_BYTES // 2)
-    r, c = np.meshgrid(np.arange(16), np.arange(128), indexing="ij")
-    swz = r * 128 + ((c // 8) ^ (r % 8)) * 8 + c % 8
-    for off, tile in ((rec.OFF_KD, kd), (rec.OFF_QD, qd), (rec.OFF_KR, kr)):
-        mem[off // 2 + swz] = tile
-    mem[rec.OFF_INV // 2 : rec.OFF_INV // 2 + 256] = inv.reshape(-1)
-    mem[rec.OFF_MQK // 2 : rec.OFF_MQK // 2 + 256] = mqk.reshape(-1)
-    return mem, gt.copy()
 
 
 def state_to_smem(S):
@@ -523,25 +468,6 @@ def test_mbarrier_protocol_random_interleavings(n_chunks, n_valid_last):
 # ------------------------------------------------------------------------------------------
 # Compilation (no GPU needed)
 # ------------------------------------------------------------------------------------------
-def _tool(name):
-    """A CUDA binary tool: from the nvidia-cuda-* wheels if installed, else PATH."""
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            for sub in ("cu13", "cuda_cuobjdump", "cuda_nvdisasm"):
-                path = os.path.join(root, sub, "bin", name)
-                if os.path.exists(path):
-                    return path
-    except ImportError:
-        pass
-    return shutil.which(name)
-
-
-def _cubin_path(dump_dir):
-    cubins = [f for f in os.listdir(dump_dir) if f.endswith(".cubin")]
-    assert len(cubins) == 1, cubins
-    return os.path.join(dump_dir, cubins[0])
 
 
 def test_rejects_unknown_variant_and_arch():
@@ -576,15 +502,15 @@ def test_compiles_with_mma_bulk_copies_mbarriers_and_no_spills(arch, tmp_path):
     assert ".local" not in ptx
     assert "fma.rn.ftz.f32" in ptx and "tanh.approx.f32" in ptx
 
-    cuobjdump = _tool("cuobjdump")
+    cuobjdump = cuda_tool("cuobjdump")
     if cuobjdump is None:
         pytest.skip("cuobjdump not available: PTX checked, SASS not checked")
-    cubin = _cubin_path(str(tmp_path))
+    cubin = single_cubin(str(tmp_path))
     res = subprocess.run(
         [cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True
     )
     assert "LOCAL:0" in res.stdout and "STACK:0" in res.stdout, res.stdout
-    nvdisasm = _tool("nvdisasm")
+    nvdisasm = cuda_tool("nvdisasm")
     env = dict(os.environ)
     if nvdisasm:
         env["PATH"] = f"{os.path.dirname(nvdisasm)}:{env.get('PATH', '')}"
