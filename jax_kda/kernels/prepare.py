@@ -54,8 +54,8 @@ from .common import (
     sigmoid,
 )
 
-D = 128
-CHUNK = 16
+D = wl.D
+CHUNK = wl.CHUNK
 NUM_THREADS = 128
 INVERSES = ("stable", "neumann")
 ARCHS = ("sm_90a", "sm_100a")

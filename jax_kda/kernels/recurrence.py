@@ -35,11 +35,12 @@ from cutlass.cutlass_dsl import Constexpr
 from cutlass.memory import SmemAllocator
 
 from . import mma_utils as mu
+from . import workspace_layout as wl
 
-D = 128  # head dim: K = V = 128
-CHUNK = 16  # tokens per chunk
-RECORD_BYTES = 13824  # one workspace record per (head, chunk slot)
-OFF_KD, OFF_QD, OFF_KR, OFF_GT, OFF_INV, OFF_MQK = 0, 4096, 8192, 12288, 12800, 13312
+# head dim (K = V = 128), tokens per chunk and the workspace record (kernel_abi.md): one definition
+D, CHUNK, RECORD_BYTES = wl.D, wl.CHUNK, wl.RECORD_BYTES
+OFF_KD, OFF_QD, OFF_KR = wl.KD_OFFSET, wl.QD_OFFSET, wl.KR_OFFSET
+OFF_GT, OFF_INV, OFF_MQK = wl.GT_OFFSET, wl.INV_OFFSET, wl.MQK_OFFSET
 GRANULES = RECORD_BYTES // 16  # 16-byte cp.async copies per record
 STAGES = 5  # smem ring depth
 # Iteration c reads stage c+1 only (chunk c's operands were read in iteration c-1) and refills
