@@ -46,6 +46,11 @@ def _unpack(struct_val, elem_type, n, wrap):
     return [wrap(llvm.extractvalue(elem_type, struct_val, [i])) for i in range(n)]
 
 
+def pred_lt_block(cond_ops, body):
+    """`{ .reg .pred p; setp.lt.s32 p, <cond_ops>; <body> }`: body guarded by (or selecting on) p."""
+    return "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, " + cond_ops + ";\n\t" + body + "\n\t}"
+
+
 def _b32_op(operands, text, constraints, loc, ip):
     """A register-only instruction (group) with one .b32 result, as an Int32."""
     return Int32(_asm(T.i32(), operands, text, constraints, loc, ip))
@@ -196,7 +201,7 @@ def select_lt(idx, limit, a, b, *, loc=None, ip=None):
             _i32(a, loc, ip),
             _i32(b, loc, ip),
         ],
-        "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, $1, $2;\n\tselp.b32 $0, $3, $4, p;\n\t}",
+        pred_lt_block("$1, $2", "selp.b32 $0, $3, $4, p;"),
         "=r,r,r,r,r",
         loc,
         ip,
@@ -251,8 +256,7 @@ def cp_async_16_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
             _i32(idx, loc, ip),
             _i32(limit, loc, ip),
         ],
-        "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, $3, $4;\n\t"
-        "@p cp.async.cg.shared.global [$1], [$2], 16;\n\t}",
+        pred_lt_block("$3, $4", "@p cp.async.cg.shared.global [$1], [$2], 16;"),
         "r,l,r,r",
         loc,
         ip,
@@ -362,7 +366,7 @@ def st_global_b32_if(gmem_addr, value, idx, limit, *, loc=None, ip=None):
             _i32(idx, loc, ip),
             _i32(limit, loc, ip),
         ],
-        "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, $3, $4;\n\t@p st.global.b32 [$1], $2;\n\t}",
+        pred_lt_block("$3, $4", "@p st.global.b32 [$1], $2;"),
         "l,r,r,r",
         loc,
         ip,

@@ -168,9 +168,7 @@ class KdaRecurrence:
         num_heads = mV.shape[1]
         num_slots = mWorkspace.shape[1]
 
-        # Sequence bounds, clamped so that malformed cu_seqlens never index out of bounds.
-        bos = cutlass.min(cutlass.max(mCuSeqlens[seq], Int32(0)), t_total)
-        eos = cutlass.min(cutlass.max(mCuSeqlens[seq + 1], bos), t_total)
+        bos, eos = sequence_bounds(mCuSeqlens, seq, t_total)
         num_chunks = (eos - bos + (CHUNK - 1)) // CHUNK
         last_chunk = num_chunks - 1
         slot0 = bos // CHUNK + seq
@@ -398,6 +396,15 @@ class KdaRecurrence:
                     s = state[state_reg(mt, nt, half, NT)]
                     mu.st_global_u16(addr, s)
                     mu.st_global_u16(addr + D * 2, s >> 16)
+
+
+def sequence_bounds(cu_seqlens, seq, t_total):
+    """(bos, eos) of sequence `seq`, clamped so that malformed cu_seqlens never index out of
+    bounds: both in [0, t_total], end < start read as an empty sequence (docs/kernel_abi.md).
+    Shared by both recurrence kernels."""
+    bos = cutlass.min(cutlass.max(cu_seqlens[seq], Int32(0)), t_total)
+    eos = cutlass.min(cutlass.max(cu_seqlens[seq + 1], bos), t_total)
+    return bos, eos
 
 
 class _Sources:

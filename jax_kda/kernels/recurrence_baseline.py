@@ -43,7 +43,8 @@ Numerics (per chunk, per value column; identical instructions to recurrence.py):
 The only differences from recurrence.py are where operands travel (shared memory instead of
 registers, ldmatrix instead of movmatrix for the state's B operand, out through a staging tile):
 no arithmetic instruction, operand value or accumulation order differs. Malformed cu_seqlens are
-clamped exactly as in recurrence.py; chunk c of sequence n lives in slot cu[n] // 16 + n + c.
+clamped by recurrence.sequence_bounds, as in recurrence.py; chunk c of sequence n lives in slot
+cu[n] // 16 + n + c.
 
 beta: beta[tok, h] is strided by H elements, so it has no contiguous per-chunk run for a bulk
 copy (and a 2-byte element is below the 16-byte bulk granularity). The producer lanes r < 16
@@ -103,7 +104,7 @@ from cutlass.memory import SmemAllocator
 
 from . import mma_utils as mu
 from .common import _asm
-from .mma_utils import _i32, _i64, _store
+from .mma_utils import _i32, _i64, _store, _unpack, pred_lt_block
 from .recurrence import (
     CHUNK,
     NVVM_FAST_MATH,
@@ -121,6 +122,7 @@ from .recurrence import (
     ldmatrix_a_offset,
     ldmatrix_krt_offset,
     ldmatrix_small_offset,
+    sequence_bounds,
 )
 
 NUM_MMA_WARPS = 4
@@ -188,11 +190,6 @@ def row_offset(row, col):
 
 
 # ---- inline-asm helpers this kernel needs in addition to mma_utils (sm_90+ instructions) ----
-def _pred_block(cond_ops, body):
-    """`{ .reg .pred p; setp.lt.s32 p, <cond_ops>; <body> }` (body uses @p)."""
-    return "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, " + cond_ops + ";\n\t" + body + "\n\t}"
-
-
 @dsl_user_op
 def mbar_init(bar, count, *, loc=None, ip=None):
     _store(
@@ -219,7 +216,7 @@ def mbar_expect_tx_if(bar, nbytes, idx, limit, *, loc=None, ip=None):
             _i32(idx, loc, ip),
             _i32(limit, loc, ip),
         ],
-        _pred_block(
+        pred_lt_block(
             "$3, $4", "@p mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$1], $2;"
         ),
         "r,r,r,r",
@@ -266,7 +263,7 @@ def bulk_g2s_if(smem, gmem, nbytes, bar, idx, limit, *, loc=None, ip=None):
             _i32(idx, loc, ip),
             _i32(limit, loc, ip),
         ],
-        _pred_block(
+        pred_lt_block(
             "$5, $6",
             "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
             "[$1], [$2], $3, [$4];",
@@ -289,7 +286,7 @@ def bulk_s2g_row_if(gmem, smem, nbytes, idx, limit, *, loc=None, ip=None):
             _i32(idx, loc, ip),
             _i32(limit, loc, ip),
         ],
-        _pred_block(
+        pred_lt_block(
             "$4, $5",
             "@p cp.async.bulk.global.shared::cta.bulk_group [$1], [$2], $3;\n\t"
             "cp.async.bulk.commit_group;\n\t"
@@ -361,7 +358,7 @@ def ld_global_u16_if(gmem_addr, idx, limit, *, loc=None, ip=None):
         _asm(
             T.i32(),
             [_i64(gmem_addr, loc, ip), _i32(idx, loc, ip), _i32(limit, loc, ip)],
-            _pred_block(
+            pred_lt_block(
                 "$2, $3",
                 ".reg .b16 h;\n\tmov.b16 h, 0;\n\t@p ld.global.b16 h, [$1];\n\t"
                 "cvt.u32.u16 $0, h;",
@@ -372,12 +369,6 @@ def ld_global_u16_if(gmem_addr, idx, limit, *, loc=None, ip=None):
             side_effects=True,
         )
     )
-
-
-def _v4(res, loc, ip):
-    return [
-        Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)
-    ]
 
 
 @dsl_user_op
@@ -392,7 +383,7 @@ def ld_global_v4(gmem_addr, *, loc=None, ip=None):
         ip,
         side_effects=True,
     )
-    return _v4(res, loc, ip)
+    return _unpack(res, T.i32(), 4, Int32)
 
 
 @dsl_user_op
@@ -406,7 +397,7 @@ def ld_shared_v4(smem_addr, *, loc=None, ip=None):
         ip,
         side_effects=True,
     )
-    return _v4(res, loc, ip)
+    return _unpack(res, T.i32(), 4, Int32)
 
 
 @dsl_user_op
@@ -485,9 +476,7 @@ class KdaRecurrenceBaseline:
         num_heads = mV.shape[1]
         num_slots = mWorkspace.shape[1]
 
-        # Sequence bounds, clamped exactly as in recurrence.py.
-        bos = cutlass.min(cutlass.max(mCuSeqlens[seq], Int32(0)), t_total)
-        eos = cutlass.min(cutlass.max(mCuSeqlens[seq + 1], bos), t_total)
+        bos, eos = sequence_bounds(mCuSeqlens, seq, t_total)
         num_chunks = (eos - bos + (CHUNK - 1)) // CHUNK
         slot0 = bos // CHUNK + seq
 
