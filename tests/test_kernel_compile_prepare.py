@@ -7,7 +7,6 @@ toolkit), and are skipped without it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -153,10 +152,9 @@ def test_sass(builds, inverse, arch, tmp_path):
 
 def test_export_to_c_without_gpu(tmp_path):
     """compiled.export_to_c works here (no GPU) once the DSL runtime libs are loaded."""
-    from cutlass.cute.export import aot_config
+    from jax_kda._aot.build import load_dsl_runtime
 
-    for lib in aot_config.get_lib_paths():
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    load_dsl_runtime()
     compiled = prepare.compile_prepare("stable", "sm_90a")
     compiled.export_to_c(str(tmp_path), "kda_prepare_test", "kda_prepare_test")
     header = (tmp_path / "kda_prepare_test.h").read_text()

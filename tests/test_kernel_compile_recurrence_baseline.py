@@ -528,12 +528,9 @@ def test_compiles_with_mma_bulk_copies_mbarriers_and_no_spills(arch, tmp_path):
 
 def test_export_to_c_writes_header_and_object(tmp_path):
     """The AOT path: export_to_c on a GPU-less machine, same tensor arguments as recurrence."""
-    import ctypes
+    from jax_kda._aot.build import load_dsl_runtime
 
-    from cutlass.cute.export import aot_config
-
-    for path in aot_config.get_lib_paths():
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    load_dsl_runtime()
     compiled = bl.compile_recurrence_baseline("baseline", "sm_90a")
     prefix = "test_kda_recurrence_baseline_sm90a"
     compiled.export_to_c(str(tmp_path), prefix, prefix)

@@ -29,7 +29,7 @@ KERNELS_MODULE_ENV = "JAX_KDA_AOT_KERNELS"  # package holding prepare.py, recurr
 _DEFAULT_KERNELS_MODULE = "jax_kda.kernels"
 
 
-def _load_dsl_runtime() -> None:
+def load_dsl_runtime() -> None:
     """export_to_c needs the DSL runtime libraries loaded, which happens lazily only on a GPU."""
     from cutlass.cute.export import aot_config
 
@@ -40,7 +40,7 @@ def _load_dsl_runtime() -> None:
 def _compile_one(spec: specs.Spec, kernels_module: str, out_dir: str) -> dict:
     """Worker: compile + export one specialisation, then check the embedded cubin's architecture."""
     start = time.perf_counter()
-    _load_dsl_runtime()
+    load_dsl_runtime()
     module = importlib.import_module(f"{kernels_module}.{spec.kernel}")
     compile_fn = getattr(module, f"compile_{spec.kernel}")
     compiled = compile_fn(spec.variant, spec.arch)
