@@ -77,8 +77,9 @@ std::string LoadOnActiveDevices(std::span<const KernelSpec<Args>> specs, int var
 std::string InverseText(int inverse) { return "inverse=" + std::to_string(inverse); }
 
 std::string CheckPrepareAttrs(float scale, float lower_bound, int32_t inverse) {
-  if (inverse != 0 && inverse != 1) {
-    return "prepare: attribute inverse must be 0 (stable) or 1 (neumann), got " +
+  if (inverse != kInverseStable && inverse != kInverseNeumann) {
+    return "prepare: attribute inverse must be " + std::to_string(kInverseStable) +
+           " (stable) or " + std::to_string(kInverseNeumann) + " (neumann), got " +
            std::to_string(inverse);
   }
   if (!std::isfinite(scale)) return "prepare: attribute scale must be finite";
@@ -144,18 +145,18 @@ ffi::Error PrepareExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Bu
 // ---------------------------------------------------------------------------------------------
 // recurrence
 
-// block_v selects the recurrence kernel: 16, 32, 64 or 128 value columns per CTA (column split,
-// grid (128 / block_v, H, N)) or kBaselineBlockV (the baseline kernel, grid (1, H, N)).
-constexpr int32_t kBaselineBlockV = 0;
-
+// block_v selects the recurrence kernel: one of kColumnSplits value columns per CTA (column
+// split, grid (128 / block_v, H, N)) or kBaselineBlockV (the baseline kernel, grid (1, H, N)).
 std::string CheckBlockV(int32_t block_v) {
-  if (block_v != kBaselineBlockV && block_v != 16 && block_v != 32 && block_v != 64 &&
-      block_v != 128) {
-    return "recurrence: attribute block_v must be 0 (baseline kernel) or 16, 32, 64 or 128 "
-           "(column split), got " +
-           std::to_string(block_v);
+  if (block_v == kBaselineBlockV) return {};
+  std::string splits;
+  for (int32_t split : kColumnSplits) {
+    if (block_v == split) return {};
+    splits += (splits.empty() ? "" : ", ") + std::to_string(split);
   }
-  return {};
+  return "recurrence: attribute block_v must be " + std::to_string(kBaselineBlockV) +
+         " (baseline kernel) or one of " + splits + " (column split), got " +
+         std::to_string(block_v);
 }
 
 std::string BlockVText(int block_v) {
@@ -308,4 +309,4 @@ JAX_KDA_EXPORT const char* jax_kda_ffi_kernels() {
 }
 
 // Bumped whenever docs/kernel_abi.md changes incompatibly; _ffi.py refuses a mismatch.
-JAX_KDA_EXPORT int jax_kda_ffi_abi_version() { return 1; }
+JAX_KDA_EXPORT int jax_kda_ffi_abi_version() { return jax_kda::kAbiVersion; }

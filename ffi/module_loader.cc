@@ -1,5 +1,7 @@
 #include "module_loader.h"
 
+#include "kernel_contract.h"
+
 #include <mutex>
 #include <vector>
 
@@ -115,14 +117,17 @@ std::string DeviceArch(int device, int* sm) {
     cached = major * 10 + minor;
     g_device_sm[device].store(cached, std::memory_order_release);
   }
-  // The 'a' objects are not forward compatible: sm_90a runs on 9.0 only, sm_100a on 10.0 only.
-  if (cached != 90 && cached != 100) {
-    return "jax_kda kernels are built for sm_90a (H100/H200) and sm_100a (B200/GB200); device " +
-           std::to_string(device) + " is sm_" + std::to_string(cached) +
-           ". Use backend=\"reference\" on this GPU.";
+  // The 'a' objects are not forward compatible: each runs on its own compute capability only.
+  std::string built;
+  for (int supported : kSupportedSms) {
+    if (cached == supported) {
+      *sm = cached;
+      return {};
+    }
+    built += (built.empty() ? "sm_" : ", sm_") + std::to_string(supported) + "a";
   }
-  *sm = cached;
-  return {};
+  return "jax_kda kernels are built for " + built + "; device " + std::to_string(device) +
+         " is sm_" + std::to_string(cached) + ". Use backend=\"reference\" on this GPU.";
 }
 
 bool PrimaryContextActive(int ordinal) {

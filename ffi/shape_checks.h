@@ -8,14 +8,12 @@
 #include <string>
 
 #include "kernel_args.h"
+#include "kernel_contract.h"  // generated from jax_kda/contract.py: kHeadDim, kChunk, ...
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_kda {
 
-constexpr int64_t kHeadDim = 128;
-constexpr int64_t kChunk = 16;
-constexpr int64_t kRecordBytes = 13824;  // one workspace record per (head, chunk slot)
-constexpr int64_t kMaxDim = INT32_MAX;   // the kernels take int32 sizes
+constexpr int64_t kMaxDim = INT32_MAX;  // the kernels take int32 sizes
 
 inline std::string DimsString(xla::ffi::Span<const int64_t> dims) {
   std::string s = "[";

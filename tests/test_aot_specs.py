@@ -1,34 +1,34 @@
-"""The ahead-of-time build's list of specialisations (jax_kda/_aot/specs.py) and the X-macro list
-the C++ tables are compiled from; CPU only, nothing is compiled."""
+"""The ahead-of-time build's list of specialisations (jax_kda/_aot/specs.py), the X-macro list
+the C++ tables are compiled from and the generated contract header; CPU only, nothing is
+compiled."""
 
 from __future__ import annotations
 
-import pathlib
+import re
 import subprocess
 import sys
 
-import pytest
-
-from jax_kda import _checks
+from jax_kda import contract
 from jax_kda._aot import build, specs
 
 
-def test_baseline_recurrence_specs_for_both_archs():
-    baseline = [s for s in specs.all_specs(specs.ARCHS) if s.kernel == "recurrence_baseline"]
+def test_baseline_recurrence_specs_for_every_arch():
+    baseline = [s for s in specs.all_specs(tuple(contract.ARCHS))
+                if s.kernel == "recurrence_baseline"]
     assert [s.prefix for s in baseline] == ["jax_kda_recurrence_baseline_sm90a",
                                             "jax_kda_recurrence_baseline_sm100a"]
-    assert all(s.call == "recurrence" and s.variant == "baseline" for s in baseline)
-    assert [s.variant_id for s in baseline] == [0, 0]
-    # the stdlib-only copy of the attribute values equals the package's
-    assert specs.BASELINE_BLOCK_V == _checks.BASELINE_BLOCK_V == 0
-    assert specs.RECURRENCE_BLOCK_VS == _checks.BLOCK_V_CHOICES
+    assert all(s.call == "recurrence" and s.options == {} for s in baseline)
+    assert [s.variant_id for s in baseline] == [contract.BASELINE_BLOCK_V] * 2
 
 
-def test_prefixes_are_unique_and_column_split_names_unchanged():
-    prefixes = [s.prefix for s in specs.all_specs(specs.ARCHS)]
+def test_prefixes_are_unique_and_names_unchanged():
+    all_specs = specs.all_specs(tuple(contract.ARCHS))
+    prefixes = [s.prefix for s in all_specs]
     assert len(prefixes) == len(set(prefixes))
     assert "jax_kda_recurrence_bv32_sm90a" in prefixes
     assert "jax_kda_prepare_neumann_sm100a" in prefixes
+    assert {s.options["block_v"] for s in all_specs if s.kernel == "recurrence"} == set(
+        contract.COLUMN_SPLITS)
 
 
 def test_every_recurrence_kernel_goes_into_the_recurrence_table(tmp_path):
@@ -42,38 +42,54 @@ def test_every_recurrence_kernel_goes_into_the_recurrence_table(tmp_path):
     assert '#include "jax_kda_recurrence_baseline_sm90a.h"' in headers
 
 
-def _kernels_dir(tmp_path: pathlib.Path, *kernels: str) -> str:
-    for kernel in kernels:
-        (tmp_path / f"{kernel}.py").write_text("")
-    return str(tmp_path)
+def test_the_command_line_cmake_runs_lists_every_prefix():
+    listed = subprocess.run([sys.executable, specs.__file__], capture_output=True, text=True,
+                            check=True, env={"JAX_KDA_ARCHS": ",".join(contract.ARCHS)})
+    assert listed.stdout.split() == [s.prefix for s in specs.all_specs(tuple(contract.ARCHS))]
 
 
-@pytest.mark.parametrize("with_baseline", [False, True])
-def test_present_specs_follow_the_kernel_sources(tmp_path, with_baseline):
-    kernels = ["prepare", "recurrence"] + (["recurrence_baseline"] if with_baseline else [])
-    present = specs.present_specs(_kernels_dir(tmp_path, *kernels), archs=specs.ARCHS)
-    assert {s.kernel for s in present} == set(kernels)
-    # the command line CMake runs lists the same prefixes
-    listed = subprocess.run([sys.executable, specs.__file__, str(tmp_path)], capture_output=True,
-                            text=True, check=True, env={"JAX_KDA_ARCHS": ",".join(specs.ARCHS)})
-    assert listed.stdout.split() == [s.prefix for s in present]
-
-
-def test_only_optional_kernels_may_be_missing_from_a_full_build(tmp_path, monkeypatch):
-    """build() without allow_missing: a missing optional kernel is skipped, a required one fails."""
+def test_build_compiles_every_spec_and_writes_the_contract_header(tmp_path, monkeypatch):
     compiled = []
     monkeypatch.setattr(build.concurrent.futures, "ProcessPoolExecutor", _InlinePool)
     monkeypatch.setattr(build, "_compile_one",
-                        lambda spec, module, out: compiled.append(spec) or {"prefix": spec.prefix,
-                                                                            "seconds": 0.0})
+                        lambda spec, out: compiled.append(spec) or {"prefix": spec.prefix,
+                                                                    "seconds": 0.0})
     monkeypatch.setattr(specs, "selected_archs", lambda: ("sm_90a",))
-    report = build.build(tmp_path / "out", 1, "jax_kda.kernels", allow_missing=False)
-    baseline_present = specs.kernel_source_present("recurrence_baseline")
-    assert ("jax_kda_recurrence_baseline_sm90a" in report["skipped"]) != baseline_present
-    assert {s.kernel for s in compiled} == {"prepare", "recurrence"} | (
-        {"recurrence_baseline"} if baseline_present else set())
-    with pytest.raises(SystemExit, match="jax_kda.no_such_kernels.prepare not found"):
-        build.build(tmp_path / "out2", 1, "jax_kda.no_such_kernels", allow_missing=False)
+    report = build.build(tmp_path / "out", 1)
+    assert sorted(r["prefix"] for r in report["built"]) == sorted(
+        s.prefix for s in specs.all_specs(("sm_90a",)))
+    header = (tmp_path / "out" / "kernel_contract.h").read_text()
+    assert header == contract.cpp_header()
+
+
+def test_contract_header_carries_the_python_numbers(tmp_path):
+    """The header the handlers are compiled against, written by the script CMake runs."""
+    out = tmp_path / "kernel_contract.h"
+    subprocess.run([sys.executable, contract.__file__, "--header", str(out)], check=True, env={})
+    text = out.read_text()
+
+    def value(name):
+        return re.search(rf"{name}(?:\[\])? = ([^;]+);", text).group(1)
+
+    assert int(value("kHeadDim")) == contract.HEAD_DIM
+    assert int(value("kChunk")) == contract.CHUNK
+    assert int(value("kRecordBytes")) == contract.RECORD_BYTES
+    assert int(value("kAbiVersion")) == contract.ABI_VERSION
+    assert int(value("kBaselineBlockV")) == contract.BASELINE_BLOCK_V
+    assert value("kColumnSplits") == "{" + ", ".join(map(str, contract.COLUMN_SPLITS)) + "}"
+    assert value("kSupportedSms") == "{" + ", ".join(
+        str(contract.arch_sm(a)) for a in contract.ARCHS) + "}"
+    assert int(value("kInverseNeumann")) == contract.INVERSE_IDS["neumann"]
+
+
+def test_workspace_slots_match_the_layout():
+    assert contract.workspace_slots(0, 1) == 1
+    assert contract.workspace_slots(41, 4) == 3 + 4
+    assert contract.workspace_slots(32, 2) == 2 + 2
+    fields = sorted([contract.KD_OFFSET, contract.QD_OFFSET, contract.KR_OFFSET,
+                     contract.GT_OFFSET, contract.INV_OFFSET, contract.MQK_OFFSET])
+    assert fields == [0, 4096, 8192, 12288, 12800, 13312]
+    assert contract.RECORD_BYTES == contract.MQK_OFFSET + 16 * 16 * 2
 
 
 class _InlinePool:

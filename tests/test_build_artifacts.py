@@ -3,8 +3,7 @@
 CPU-only (runs in CI). The kernel cubins are embedded as raw data by CuTe DSL's export_to_c, so
 they are cut out of the library (jax_kda/_aot/cubin.py) and disassembled with cuobjdump from the
 nvidia-cuda-cuobjdump wheel (test extra). A package built with JAX_KDA_BUILD_KERNELS=0 skips.
-The specialisations expected are those whose kernel source the package holds (specs.present_specs):
-the baseline recurrence (an optional kernel) is expected exactly when its source is there.
+The specialisations expected are every one of jax_kda/_aot/specs.py.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import sys
 
 import pytest
 
-from jax_kda import _ffi
+from jax_kda import _ffi, contract
 from jax_kda._aot import cubin, specs
 
 pytestmark = pytest.mark.skipif(
@@ -82,13 +81,8 @@ def test_library_is_installed_and_registered():
     assert _ffi.kernels_available(), _ffi.unavailable_reason()
 
 
-def expected_specs(archs=specs.ARCHS) -> list[specs.Spec]:
-    """Every required specialisation, plus each optional one whose source the package holds."""
-    present = specs.present_specs(archs=archs)
-    required = [s for s in specs.all_specs(archs) if s.kernel not in specs.OPTIONAL_KERNELS]
-    missing = [s.prefix for s in required if s not in present]
-    assert not missing, f"kernel sources missing from the package: {missing}"
-    return present
+def expected_specs(archs=tuple(contract.ARCHS)) -> list[specs.Spec]:
+    return specs.all_specs(archs)
 
 
 def test_library_holds_every_specialisation_for_both_archs():
@@ -96,12 +90,9 @@ def test_library_holds_every_specialisation_for_both_archs():
     assert set(_ffi.built_kernels()) == expected
 
 
-def test_baseline_recurrence_is_built_when_its_source_is_present():
+def test_baseline_recurrence_is_built_for_every_arch():
     names = set(_ffi.built_kernels())
-    baseline = {f"jax_kda_recurrence_baseline_{arch.replace('_', '')}" for arch in specs.ARCHS}
-    if not specs.kernel_source_present("recurrence_baseline"):
-        assert not names & baseline
-        pytest.skip("jax_kda/kernels/recurrence_baseline.py is not in this tree yet")
+    baseline = {f"jax_kda_recurrence_baseline_{arch.replace('_', '')}" for arch in contract.ARCHS}
     assert baseline <= names
     # ... registered in the recurrence table under block_v 0 (the generated X-macro list)
     lines = _aot_spec_lines()

@@ -73,7 +73,7 @@ def compare(name, got, want):
     g16 = np.asarray(jnp.asarray(got).astype(jnp.bfloat16)).view(np.int16).astype(np.int32)
     w16 = np.asarray(jnp.asarray(want).astype(jnp.bfloat16)).view(np.int16).astype(np.int32)
     # ulp distance on the monotone integer line of bf16
-    to_line = lambda b: np.where(b < 0, -32768 - b, b)  # noqa: E731
+    to_line = lambda b: np.where(b < 0, -32768 - b, b)
     ulp = int(np.abs(to_line(g16) - to_line(w16)).max()) if g16.size else 0
     equal = float(np.mean(g16 == w16)) if g16.size else 1.0
     print(f"\n  {name}: rel RMSE {rel:.2e}, bit-equal {equal:.4f}, max ulp {ulp}")
@@ -295,7 +295,7 @@ def test_reference_on_gpu_keeps_its_roundings():
     it. Same program on CPU and GPU: only exp2/tanh/rsqrt last bits may differ."""
     rng = np.random.default_rng()
     a = make_inputs(rng, 1, 200, 2)
-    f = lambda x: jax_kda.kda_prefill(**x, backend="reference", output_final_state=True)  # noqa: E731
+    f = lambda x: jax_kda.kda_prefill(**x, backend="reference", output_final_state=True)
     on_gpu = jax.jit(f)(a)
     on_cpu = jax.jit(f)(jax.device_put(a, jax.devices("cpu")[0]))
     for name, x, y in zip(("out", "state"), on_gpu, on_cpu):

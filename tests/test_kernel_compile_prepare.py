@@ -19,6 +19,7 @@ import pytest
 cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
 
+from jax_kda import contract
 from jax_kda.kernels import prepare
 
 
@@ -35,15 +36,13 @@ def _cuobjdump() -> str | None:
 
 _BUILD_SCRIPT = """
 import sys
-import cutlass.cute as cute
-from cutlass.base_dsl.compiler import ExtraCompilerOpts
+from jax_kda import contract
+from jax_kda import contract
 from jax_kda.kernels import prepare
 out = sys.argv[1]
 for inverse in prepare.INVERSES:
-    for arch in prepare.ARCHS:
-        c = cute.compile[cute.GPUArch(arch), ExtraCompilerOpts(prepare.NVVM_FAST_MATH),
-                         cute.KeepPTX(), cute.KeepCUBIN()](prepare.KdaPrepare(inverse),
-                                                            *prepare.fake_args())
+    for arch in contract.ARCHS:
+        c = prepare.compile_kernel(inverse, arch, dump_dir=out)
         open(f"{out}/{inverse}_{arch}.ptx", "w").write(c.__ptx__)
         open(f"{out}/{inverse}_{arch}.cubin", "wb").write(c.__cubin__)
 """
@@ -72,7 +71,7 @@ def builds(tmp_path_factory):
     )
     out = {}
     for inverse in prepare.INVERSES:
-        for arch in prepare.ARCHS:
+        for arch in contract.ARCHS:
             stem = dump / f"{inverse}_{arch}"
             out[(inverse, arch)] = (
                 stem.with_suffix(".ptx").read_text(),
@@ -81,7 +80,7 @@ def builds(tmp_path_factory):
     return out
 
 
-KEYS = [(i, a) for i in prepare.INVERSES for a in prepare.ARCHS]
+KEYS = [(i, a) for i in prepare.INVERSES for a in contract.ARCHS]
 
 
 @pytest.mark.parametrize("inverse,arch", KEYS)
@@ -155,7 +154,7 @@ def test_export_to_c_without_gpu(tmp_path):
     from jax_kda._aot.build import load_dsl_runtime
 
     load_dsl_runtime()
-    compiled = prepare.compile_prepare("stable", "sm_90a")
+    compiled = prepare.compile_kernel("stable", "sm_90a")
     compiled.export_to_c(str(tmp_path), "kda_prepare_test", "kda_prepare_test")
     header = (tmp_path / "kda_prepare_test.h").read_text()
     assert (tmp_path / "kda_prepare_test.o").stat().st_size > 0
@@ -179,9 +178,9 @@ def test_export_to_c_without_gpu(tmp_path):
     ]
 
 
-def test_compile_prepare_rejects_unknown_names():
+def test_compile_kernel_rejects_unknown_names():
     with pytest.raises(ValueError):
-        prepare.compile_prepare("stable", "sm_80")
+        prepare.compile_kernel("stable", "sm_80")
     with pytest.raises(ValueError):
         prepare.KdaPrepare("exact")
 

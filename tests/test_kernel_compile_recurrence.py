@@ -33,6 +33,8 @@ from kernel_sim import (
     single_cubin,
 )
 
+from jax_kda import contract
+
 # ------------------------------------------------------------------------------------------
 # One warp over a few chunks, in the kernel's software-pipelined order, driven by its index maps
 # ------------------------------------------------------------------------------------------
@@ -193,7 +195,7 @@ def _run_case(rng, block_v, n_chunks, n_valid_last):
     return outs, S_new, ref_outs, ref_S
 
 
-@pytest.mark.parametrize("block_v", rec.BLOCK_V_CHOICES)
+@pytest.mark.parametrize("block_v", contract.COLUMN_SPLITS)
 @pytest.mark.parametrize("n_chunks,n_valid_last", [(1, 16), (1, 1), (3, 5)])
 def test_fragment_simulator_matches_matrix_math(block_v, n_chunks, n_valid_last):
     rng = np.random.default_rng(block_v * 100 + n_chunks * 10 + n_valid_last)
@@ -284,7 +286,7 @@ def test_ldmatrix_offsets_cover_the_swizzled_tile_once():
 # ------------------------------------------------------------------------------------------
 
 
-CASES = [(bv, "sm_90a") for bv in rec.BLOCK_V_CHOICES] + [
+CASES = [(bv, "sm_90a") for bv in contract.COLUMN_SPLITS] + [
     (32, "sm_100a"),
     (128, "sm_100a"),
 ]
@@ -293,7 +295,7 @@ CASES = [(bv, "sm_90a") for bv in rec.BLOCK_V_CHOICES] + [
 @pytest.mark.parametrize("block_v,arch", CASES)
 def test_compiles_with_mma_movmatrix_and_no_spills(block_v, arch, tmp_path):
     t0 = time.time()
-    compiled = rec.compile_recurrence(block_v, arch, dump_dir=str(tmp_path))
+    compiled = rec.compile_kernel(block_v, arch, dump_dir=str(tmp_path))
     elapsed = time.time() - t0
     assert elapsed < 120, f"compile took {elapsed:.1f} s"
     ptx = compiled.__ptx__
@@ -333,7 +335,7 @@ def test_export_to_c_writes_header_and_object(tmp_path):
     from jax_kda._aot.build import load_dsl_runtime
 
     load_dsl_runtime()
-    compiled = rec.compile_recurrence(32, "sm_90a")
+    compiled = rec.compile_kernel(32, "sm_90a")
     prefix = "test_kda_recurrence_bv32_sm90a"
     compiled.export_to_c(str(tmp_path), prefix, prefix)
     header = (tmp_path / f"{prefix}.h").read_text()
@@ -398,7 +400,7 @@ class _FakeMachine:
         return int.from_bytes(self.smem[addr : addr + 2], "little")
 
 
-@pytest.mark.parametrize("block_v", rec.BLOCK_V_CHOICES)
+@pytest.mark.parametrize("block_v", contract.COLUMN_SPLITS)
 @pytest.mark.parametrize("beta_misalign", [0, 2])
 @pytest.mark.parametrize("eos", [37, 30])
 def test_stage_loader_copies_the_right_bytes(block_v, beta_misalign, eos, monkeypatch):
@@ -428,7 +430,7 @@ def test_stage_loader_copies_the_right_bytes(block_v, beta_misalign, eos, monkey
     }
     fake = _FakeMachine(gmem, arrays, 2 * stage_bytes)
     for name in ("cp_async_16_if", "beta_to_shared_if", "select_lt", "ld_shared_u16"):
-        monkeypatch.setattr(rec.mu, name, getattr(fake, name))
+        monkeypatch.setattr(rec.ptx, name, getattr(fake, name))
 
     col_cta = slice_idx * block_v
     for chunk in range(2):

@@ -470,17 +470,15 @@ def test_mbarrier_protocol_random_interleavings(n_chunks, n_valid_last):
 # ------------------------------------------------------------------------------------------
 
 
-def test_rejects_unknown_variant_and_arch():
+def test_rejects_unknown_arch():
     with pytest.raises(ValueError):
-        bl.compile_recurrence_baseline("bv32")
-    with pytest.raises(ValueError):
-        bl.compile_recurrence_baseline("baseline", "sm_80")
+        bl.compile_kernel("sm_80")
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_compiles_with_mma_bulk_copies_mbarriers_and_no_spills(arch, tmp_path):
     t0 = time.time()
-    compiled = bl.compile_recurrence_baseline("baseline", arch, dump_dir=str(tmp_path))
+    compiled = bl.compile_kernel(arch, dump_dir=str(tmp_path))
     elapsed = time.time() - t0
     assert elapsed < 120, f"compile took {elapsed:.1f} s"
     ptx = compiled.__ptx__
@@ -531,7 +529,7 @@ def test_export_to_c_writes_header_and_object(tmp_path):
     from jax_kda._aot.build import load_dsl_runtime
 
     load_dsl_runtime()
-    compiled = bl.compile_recurrence_baseline("baseline", "sm_90a")
+    compiled = bl.compile_kernel("sm_90a")
     prefix = "test_kda_recurrence_baseline_sm90a"
     compiled.export_to_c(str(tmp_path), prefix, prefix)
     header = (tmp_path / f"{prefix}.h").read_text()

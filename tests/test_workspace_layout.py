@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jax_kda import contract
 from jax_kda.kernels import workspace_layout as wl
 
 
@@ -74,7 +75,7 @@ def test_chunk_slots_and_decode_workspace():
     cu = np.array([0, 5, 5, 40, 41], np.int32)  # lengths 5, 0, 35, 1
     slots = wl.chunk_slots(cu)
     assert slots == [(0, 0, 0), (2, 0, 2), (2, 1, 3), (2, 2, 4), (3, 0, 2 + 3)]
-    s = wl.num_slots(41, 4)
+    s = contract.workspace_slots(41, 4)
     assert s == 3 + 4 and max(x for *_, x in slots) < s
     assert len({x for *_, x in slots}) == len(slots)
     fields = _random_fields(np.random.default_rng(2), (2, s))

@@ -26,12 +26,13 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import BFloat16, Float16, Float32, Int32, Uint8, Uint32, cute
-from cutlass.base_dsl.compiler import ExtraCompilerOpts
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
+from .. import contract
 from . import workspace_layout as wl
-from .common import (
+from .compile_utils import compile_for_arch, fake_stream, fake_tensor, symbol
+from .ptx import (
     LOG2E,
     bf16_mul,
     bf16_to_f32,
@@ -53,14 +54,12 @@ from .common import (
     rsqrt_approx,
     sigmoid,
 )
+from .recurrence_common import sequence_start
 
 D = wl.D
 CHUNK = wl.CHUNK
 NUM_THREADS = 128
-INVERSES = ("stable", "neumann")
-ARCHS = ("sm_90a", "sm_100a")
-# SPEC's fast-math: f32 ops .ftz (the pinned helpers already say so), approx div/sqrt.
-NVVM_FAST_MATH = "nvvm-options='-ftz=1 -prec-div=0 -prec-sqrt=0 -fma=1'"
+INVERSES = tuple(contract.INVERSE_IDS)
 
 
 def _swizzled_tile_layout():
@@ -143,15 +142,15 @@ class KdaPrepare:
         hi = Int32(num_seqs)
         while lo + 1 < hi:
             mid = (lo + hi) // 2
-            if self._seq_start(mCuSeqlens, t_total, mid) // CHUNK + mid <= slot:
+            if sequence_start(mCuSeqlens, mid, t_total) // CHUNK + mid <= slot:
                 lo = mid
             else:
                 hi = mid
         seq = lo
-        bos = self._seq_start(mCuSeqlens, t_total, seq)
+        bos = sequence_start(mCuSeqlens, seq, t_total)
         # min(): with N = 0 (cu_seqlens of length 1) never read past the array
         eos = cutlass.max(
-            self._seq_start(mCuSeqlens, t_total, cutlass.min(seq + 1, num_seqs)), bos
+            sequence_start(mCuSeqlens, cutlass.min(seq + 1, num_seqs), t_total), bos
         )
         chunk = Int32(slot) - (bos // CHUNK + seq)
         num_chunks = (eos - bos + CHUNK - 1) // CHUNK
@@ -270,11 +269,6 @@ class KdaPrepare:
                 )
 
     # ------------------------------------------------------------ helpers
-    @cute.jit
-    def _seq_start(self, mCuSeqlens: cute.Tensor, t_total: Int32, n: Int32) -> Int32:
-        """cu_seqlens[n] clamped into [0, T_total] (malformed input stays in bounds)."""
-        return cutlass.min(cutlass.max(Int32(mCuSeqlens[n]), Int32(0)), Int32(t_total))
-
     @cute.jit
     def _normalize(
         self,
@@ -542,51 +536,26 @@ def _tiled_mma_f16():
 
 
 # ------------------------------------------------------------------ build side
-def fake_args():
-    """Fake tensors for cute.compile, shapes per docs/kernel_abi.md (T_total, H, N, S dynamic).
-
-    Returns the positional arguments of KdaPrepare.__call__ (scalars as Float32
-    placeholders, a fake stream last).
-    """
-    t_total = cute.sym_int(symbol="T_total")
-    heads = cute.sym_int(symbol="H")
-    n_plus_1 = cute.sym_int(symbol="N_plus_1")
-    slots = cute.sym_int(symbol="S")
-    mk = cute.runtime.make_fake_compact_tensor
-    tok_major = (2, 1, 0)
+def prepare_args():
+    """Fake arguments of KdaPrepare.__call__ (docs/kernel_abi.md; T_total, H, N, S dynamic):
+    tensors, the two scalars as Float32 placeholders, a fake stream."""
+    t_total, heads, n_plus_1, slots = (symbol(s) for s in ("T_total", "H", "N_plus_1", "S"))
     return (
-        mk(
-            BFloat16, (t_total, heads, D), stride_order=tok_major, assumed_align=16
-        ),  # q
-        mk(
-            BFloat16, (t_total, heads, D), stride_order=tok_major, assumed_align=16
-        ),  # k
-        mk(
-            BFloat16, (t_total, heads, D), stride_order=tok_major, assumed_align=16
-        ),  # g
-        mk(BFloat16, (t_total, heads), stride_order=(1, 0), assumed_align=2),  # beta
-        mk(Float32, (heads,), assumed_align=4),  # A_log
-        mk(Float32, (heads, D), stride_order=(1, 0), assumed_align=16),  # dt_bias
-        mk(Int32, (n_plus_1,), assumed_align=4),  # cu_seqlens
-        mk(
-            Uint8,
-            (heads, slots, wl.RECORD_BYTES),
-            stride_order=(2, 1, 0),
-            assumed_align=16,
-        ),  # workspace
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # q
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # k
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # g
+        fake_tensor(BFloat16, (t_total, heads), 2),  # beta
+        fake_tensor(Float32, (heads,), 4),  # A_log
+        fake_tensor(Float32, (heads, D), 16),  # dt_bias
+        fake_tensor(Int32, (n_plus_1,), 4),  # cu_seqlens
+        fake_tensor(Uint8, (heads, slots, wl.RECORD_BYTES), 16),  # workspace
         Float32(1.0),  # scale
         Float32(-5.0),  # lower_bound
-        cute.runtime.make_fake_stream(),
+        fake_stream(),
     )
 
 
-def compile_prepare(
-    inverse: str = "stable", arch: str = "sm_90a", *, keep_ptx: bool = False
-):
-    """cute.compile the prepare kernel for `arch` ("sm_90a" or "sm_100a"; always explicit)."""
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    opts = [cute.GPUArch(arch), ExtraCompilerOpts(NVVM_FAST_MATH)]
-    if keep_ptx:
-        opts.append(cute.KeepPTX())
-    return cute.compile[tuple(opts)](KdaPrepare(inverse), *fake_args())
+def compile_kernel(inverse: str = "stable", arch: str = "sm_90a", *, dump_dir: str | None = None):
+    """The prepare kernel with the given inverse, compiled for `arch`
+    (compile_utils.compile_for_arch)."""
+    return compile_for_arch(KdaPrepare(inverse), prepare_args(), arch, dump_dir=dump_dir)

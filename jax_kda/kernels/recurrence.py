@@ -34,13 +34,28 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.cutlass_dsl import Constexpr
 from cutlass.memory import SmemAllocator
 
-from . import mma_utils as mu
-from . import workspace_layout as wl
+from .. import contract
+from . import ptx
+from .compile_utils import compile_for_arch
+from .recurrence_common import (
+    CHUNK,
+    OFF_GT,
+    OFF_INV,
+    OFF_KD,
+    OFF_KR,
+    OFF_MQK,
+    OFF_QD,
+    RECORD_BYTES,
+    D,
+    acc_col,
+    acc_row,
+    ldmatrix_a_offset,
+    ldmatrix_krt_offset,
+    ldmatrix_small_offset,
+    recurrence_args,
+    sequence_bounds,
+)
 
-# head dim (K = V = 128), tokens per chunk and the workspace record (kernel_abi.md): one definition
-D, CHUNK, RECORD_BYTES = wl.D, wl.CHUNK, wl.RECORD_BYTES
-OFF_KD, OFF_QD, OFF_KR = wl.KD_OFFSET, wl.QD_OFFSET, wl.KR_OFFSET
-OFF_GT, OFF_INV, OFF_MQK = wl.GT_OFFSET, wl.INV_OFFSET, wl.MQK_OFFSET
 GRANULES = RECORD_BYTES // 16  # 16-byte cp.async copies per record
 STAGES = 5  # smem ring depth
 # Iteration c reads stage c+1 only (chunk c's operands were read in iteration c-1) and refills
@@ -48,7 +63,6 @@ STAGES = 5  # smem ring depth
 LOOKAHEAD = STAGES - 1
 # The next chunk's kd / qd A operands are loaded this many k-blocks ahead of their MMAs.
 KD_AHEAD = 2
-BLOCK_V_CHOICES = (16, 32, 64, 128)
 
 
 def stage_layout(block_v):
@@ -60,42 +74,9 @@ def stage_layout(block_v):
     return v_off, beta_off, stage_bytes
 
 
-# ---- lane index maps (plain integer arithmetic: used by the kernel on DSL Int32 values and by
-# the CPU fragment simulator in tests/ on numpy ints, so both run the same formulas) ----
-def ldmatrix_a_offset(lane, kb):
-    """Byte offset in a swizzled 16x128 tile of the row this lane addresses for the A operand
-    (rows x k) of k-block kb: matrix i = lane // 8 covers rows (i % 2) * 8.., k 16kb + (i // 2) * 8..
-    Swizzle (kernel_abi.md): granule c // 8 of row r is stored at granule (c // 8) ^ (r % 8)."""
-    row = ((lane // 8) % 2) * 8 + lane % 8
-    return row * 256 + ((2 * kb + (lane // 8) // 2) ^ (lane % 8)) * 16
-
-
-def ldmatrix_krt_offset(lane, mt):
-    """Same for kr^T (k x rows) of k-tile mt, read with ldmatrix.trans: matrix i = lane // 8
-    covers kr rows (i // 2) * 8.., k 16mt + (i % 2) * 8.. (its transpose is A's 8x8 block i)."""
-    row = ((lane // 8) // 2) * 8 + lane % 8
-    return row * 256 + ((2 * mt + (lane // 8) % 2) ^ (lane % 8)) * 16
-
-
-def ldmatrix_small_offset(lane):
-    """Byte offset for the A operand of a plain row-major 16x16 bf16 tile (INV, Mqk)."""
-    row = ((lane // 8) % 2) * 8 + lane % 8
-    return row * 32 + ((lane // 8) // 2) * 16
-
-
 def v_smem_offset(row, col, block_v):
     """Byte offset of v[row, col] (col relative to the CTA's slice) in a stage's v tile."""
     return (row * block_v + col) * 2
-
-
-def acc_row(lane, half):
-    """Row (0..15) of accumulator registers c[2*half], c[2*half+1] of this lane."""
-    return half * 8 + lane // 4
-
-
-def acc_col(lane):
-    """Column (0..7) of c[0] / c[2]; c[1] / c[3] are the next column."""
-    return 2 * (lane % 4)
 
 
 def state_reg(mt, nt, half, n_tiles):
@@ -110,8 +91,8 @@ def warp_split(block_v):
     warp need more than 255 registers on sm_100a (the pipelined loop keeps two chunks' P/Oq
     accumulators next to the 64-register state), so 128 columns use eight warps.
     """
-    if block_v not in BLOCK_V_CHOICES:
-        raise ValueError(f"block_v must be one of {BLOCK_V_CHOICES}, got {block_v}")
+    if block_v not in contract.COLUMN_SPLITS:
+        raise ValueError(f"block_v must be one of {contract.COLUMN_SPLITS}, got {block_v}")
     return {16: (2, 1), 32: (4, 1), 64: (4, 2), 128: (8, 2)}[block_v]
 
 
@@ -218,8 +199,8 @@ class KdaRecurrence:
                     k = mt * 16 + acc_row(lane, half)
                     j = col_cta + col_w + nt * 8 + t2
                     addr = s0_base + (Int64(j) * D + Int64(k)) * 2  # state[n, h, j, k]
-                    lo = mu.ld_global_u16(addr)
-                    hi = mu.ld_global_u16(addr + D * 2)  # column j + 1
+                    lo = ptx.ld_global_u16(addr)
+                    hi = ptx.ld_global_u16(addr + D * 2)  # column j + 1
                     state[state_reg(mt, nt, half, NT)] = lo | (hi << 16)
 
         # P(c) and Oq(c) f32 accumulators, carried from iteration c - 1 (or the prologue). They
@@ -240,22 +221,22 @@ class KdaRecurrence:
                 _load_stage(
                     src, cutlass.min(Int32(s), last_chunk), ring + s * STAGE_BYTES
                 )
-                mu.cp_async_commit()
-            mu.cp_async_wait(LOOKAHEAD - 1)  # chunk 0 has landed (this thread's copies)
-            mu.cta_barrier()  # ... and everybody's
+                ptx.cp_async_commit()
+            ptx.cp_async_wait(LOOKAHEAD - 1)  # chunk 0 has landed (this thread's copies)
+            ptx.cta_barrier()  # ... and everybody's
             p0 = [[zero_f] * 4 for _ in range(NT)]
             o0 = [[zero_f] * 4 for _ in range(NT)]
             for kb in cutlass.range_constexpr(8):
                 a_off = ldmatrix_a_offset(lane, kb)
-                a_kd = mu.ldmatrix_x4(ring + OFF_KD + a_off)
-                a_qd = mu.ldmatrix_x4(ring + OFF_QD + a_off)
+                a_kd = ptx.ldmatrix_x4(ring + OFF_KD + a_off)
+                a_qd = ptx.ldmatrix_x4(ring + OFF_QD + a_off)
                 for nt in cutlass.range_constexpr(NT):
                     b = (
-                        mu.movmatrix_trans(state[state_reg(kb, nt, 0, NT)]),
-                        mu.movmatrix_trans(state[state_reg(kb, nt, 1, NT)]),
+                        ptx.movmatrix_trans(state[state_reg(kb, nt, 0, NT)]),
+                        ptx.movmatrix_trans(state[state_reg(kb, nt, 1, NT)]),
                     )
-                    p0[nt] = mu.mma_bf16_16816(a_kd, b, p0[nt])
-                    o0[nt] = mu.mma_bf16_16816(a_qd, b, o0[nt])
+                    p0[nt] = ptx.mma_bf16_16816(a_kd, b, p0[nt])
+                    o0[nt] = ptx.mma_bf16_16816(a_qd, b, o0[nt])
             for nt in cutlass.range_constexpr(NT):
                 for i in cutlass.range_constexpr(4):
                     p_acc[nt * 4 + i] = p0[nt][i]
@@ -268,8 +249,8 @@ class KdaRecurrence:
 
         for c in range(num_chunks):
             # Chunk c+1 visible to all; the stage of chunk c-1 is free (refilled further down).
-            mu.cp_async_wait(LOOKAHEAD - 2)
-            mu.cta_barrier()
+            ptx.cp_async_wait(LOOKAHEAD - 2)
+            ptx.cta_barrier()
             nxt = ring + ((c + 1) % STAGES) * STAGE_BYTES
             row_tok0 = bos + c * CHUNK
 
@@ -295,26 +276,26 @@ class KdaRecurrence:
             for nt in cutlass.range_constexpr(NT):
                 u = []
                 for half in cutlass.range_constexpr(2):
-                    p = mu.pack_bf16x2(
+                    p = ptx.pack_bf16x2_i32(
                         p_acc[nt * 4 + 2 * half], p_acc[nt * 4 + 2 * half + 1]
                     )
-                    uu = mu.mul_bf16x2(mu.sub_bf16x2(v_in[nt][half], p), b_in[half])
+                    uu = ptx.mul_bf16x2(ptx.sub_bf16x2(v_in[nt][half], p), b_in[half])
                     u.append(uu & row_mask[half])  # rows past the end: exactly 0
-                u_acc = mu.mma_bf16_16816(
+                u_acc = ptx.mma_bf16_16816(
                     a_inv,
-                    (mu.movmatrix_trans(u[0]), mu.movmatrix_trans(u[1])),
+                    (ptx.movmatrix_trans(u[0]), ptx.movmatrix_trans(u[1])),
                     [zero_f] * 4,
                 )
-                big_u0 = mu.pack_bf16x2(u_acc[0], u_acc[1])
-                big_u1 = mu.pack_bf16x2(u_acc[2], u_acc[3])
-                ub.append((mu.movmatrix_trans(big_u0), mu.movmatrix_trans(big_u1)))
+                big_u0 = ptx.pack_bf16x2_i32(u_acc[0], u_acc[1])
+                big_u1 = ptx.pack_bf16x2_i32(u_acc[2], u_acc[3])
+                ub.append((ptx.movmatrix_trans(big_u0), ptx.movmatrix_trans(big_u1)))
 
             # W = kr^T . U for all eight k-tiles at once: independent MMAs, pipelined.
             w = [
-                [mu.mma_bf16_16816(a_krt[mt], ub[nt], [zero_f] * 4) for nt in range(NT)]
+                [ptx.mma_bf16_16816(a_krt[mt], ub[nt], [zero_f] * 4) for nt in range(NT)]
                 for mt in range(8)
             ]
-            m_acc = [mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4) for nt in range(NT)]
+            m_acc = [ptx.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4) for nt in range(NT)]
 
             # S[j, k] = bf16(fmaf(f32(S[j, k]), gt[k], W[k, j])), k-tile by k-tile, each tile
             # feeding k-block mt of the next chunk's P and Oq at once. On the last chunk the
@@ -334,33 +315,33 @@ class KdaRecurrence:
                     s_lo = state[i0]
                     s_hi = state[i1]
                     wt = w[mt][nt]
-                    n_lo = mu.pack_bf16x2(
-                        mu.fma_ftz(mu.bf16_lo_to_f32(s_lo), gt_lo, wt[0]),
-                        mu.fma_ftz(mu.bf16_hi_to_f32(s_lo), gt_lo, wt[1]),
+                    n_lo = ptx.pack_bf16x2_i32(
+                        ptx.ffma(ptx.bf16x2_lo_to_f32(s_lo), gt_lo, wt[0]),
+                        ptx.ffma(ptx.bf16x2_hi_to_f32(s_lo), gt_lo, wt[1]),
                     )
-                    n_hi = mu.pack_bf16x2(
-                        mu.fma_ftz(mu.bf16_lo_to_f32(s_hi), gt_hi, wt[2]),
-                        mu.fma_ftz(mu.bf16_hi_to_f32(s_hi), gt_hi, wt[3]),
+                    n_hi = ptx.pack_bf16x2_i32(
+                        ptx.ffma(ptx.bf16x2_lo_to_f32(s_hi), gt_hi, wt[2]),
+                        ptx.ffma(ptx.bf16x2_hi_to_f32(s_hi), gt_hi, wt[3]),
                     )
                     state[i0] = n_lo
                     state[i1] = n_hi
-                    b = (mu.movmatrix_trans(n_lo), mu.movmatrix_trans(n_hi))
-                    p1[nt] = mu.mma_bf16_16816(a_kd, b, p1[nt])
-                    o1[nt] = mu.mma_bf16_16816(a_qd, b, o1[nt])
+                    b = (ptx.movmatrix_trans(n_lo), ptx.movmatrix_trans(n_hi))
+                    p1[nt] = ptx.mma_bf16_16816(a_kd, b, p1[nt])
+                    o1[nt] = ptx.mma_bf16_16816(a_qd, b, o1[nt])
                 if cutlass.const_expr(mt == 0):
                     # out = bf16(Oq + bf16(Mqk . U)), valid rows only, registers -> global;
                     # issued in the shadow of the P(c+1) chain.
                     for nt in cutlass.range_constexpr(NT):
                         for half in cutlass.range_constexpr(2):
-                            mq = mu.pack_bf16x2(
+                            mq = ptx.pack_bf16x2_i32(
                                 m_acc[nt][2 * half], m_acc[nt][2 * half + 1]
                             )
                             tok = row_tok0 + acc_row(lane, half)
                             addr = out_lane[nt] + Int64(tok) * out_row_bytes
-                            oq = mu.pack_bf16x2(
+                            oq = ptx.pack_bf16x2_i32(
                                 o_acc[nt * 4 + 2 * half], o_acc[nt * 4 + 2 * half + 1]
                             )
-                            mu.st_global_b32_if(addr, mu.add_bf16x2(oq, mq), tok, eos)
+                            ptx.st_global_b32_if(addr, ptx.add_bf16x2(oq, mq), tok, eos)
                 if cutlass.const_expr(mt == 1):
                     # refill the stage freed by the barrier (chunk c - 1's) with chunk
                     # c + LOOKAHEAD, also in the shadow of the chain
@@ -369,7 +350,7 @@ class KdaRecurrence:
                         cutlass.min(c + LOOKAHEAD, last_chunk),
                         ring + ((c + LOOKAHEAD) % STAGES) * STAGE_BYTES,
                     )
-                    mu.cp_async_commit()
+                    ptx.cp_async_commit()
                 if cutlass.const_expr(mt == 2):
                     # chunk c+1's operands (on the last chunk: a duplicate, never used)
                     ops1, gt1 = _chunk_operands(
@@ -384,7 +365,7 @@ class KdaRecurrence:
                     p_acc[nt * 4 + i] = p1[nt][i]
                     o_acc[nt * 4 + i] = o1[nt][i]
 
-        mu.cp_async_wait(0)  # no copy may still target this CTA's shared memory at exit
+        ptx.cp_async_wait(0)  # no copy may still target this CTA's shared memory at exit
 
         # ---- final state (also for zero-length sequences: the initial state) ----
         for mt in cutlass.range_constexpr(8):
@@ -394,17 +375,8 @@ class KdaRecurrence:
                     j = col_cta + col_w + nt * 8 + t2
                     addr = sT_base + (Int64(j) * D + Int64(k)) * 2
                     s = state[state_reg(mt, nt, half, NT)]
-                    mu.st_global_u16(addr, s)
-                    mu.st_global_u16(addr + D * 2, s >> 16)
-
-
-def sequence_bounds(cu_seqlens, seq, t_total):
-    """(bos, eos) of sequence `seq`, clamped so that malformed cu_seqlens never index out of
-    bounds: both in [0, t_total], end < start read as an empty sequence (docs/kernel_abi.md).
-    Shared by both recurrence kernels."""
-    bos = cutlass.min(cutlass.max(cu_seqlens[seq], Int32(0)), t_total)
-    eos = cutlass.min(cutlass.max(cu_seqlens[seq + 1], bos), t_total)
-    return bos, eos
+                    ptx.st_global_u16(addr, s)
+                    ptx.st_global_u16(addr + D * 2, s >> 16)
 
 
 class _Sources:
@@ -421,7 +393,7 @@ def _load_stage(src, chunk, stage):
     n = src.nthreads
     for i in range((GRANULES + n - 1) // n):
         gi = src.tid + i * n
-        mu.cp_async_16_if(stage + gi * 16, rec + Int64(gi) * 16, gi, Int32(GRANULES))
+        ptx.cp_async_16_if(stage + gi * 16, rec + Int64(gi) * 16, gi, Int32(GRANULES))
     row_tok0 = src.bos + chunk * CHUNK
     per_row = src.block_v // 8  # 16-byte granules per v row of the slice
     for i in range((CHUNK * per_row + n - 1) // n):
@@ -438,19 +410,19 @@ def _load_stage(src, chunk, stage):
         )
         # rows past the sequence end, and threads past the last granule (row >= 16), copy nothing
         limit = cutlass.min(src.eos, row_tok0 + CHUNK)
-        mu.cp_async_16_if(stage + src.v_off + gi * 16, gaddr, tok, limit)
+        ptx.cp_async_16_if(stage + src.v_off + gi * 16, gaddr, tok, limit)
     if n >= CHUNK:
         tok = row_tok0 + src.tid
         elem = tok * src.num_heads + src.head
         elem_addr = src.beta_base + Int64(elem) * 2
         # the aligned word holding the element stays inside the array unless the element is the
         # array's last one and starts a word
-        async_ok = mu.select_lt(
+        async_ok = ptx.select_lt(
             elem + 1, src.beta_elems, Int32(1), Int32(elem_addr) & 2
         )
         limit = cutlass.min(src.eos, row_tok0 + CHUNK)
         # threads tid >= 16 have tok >= row_tok0 + 16 >= limit: no copy
-        mu.beta_to_shared_if(
+        ptx.beta_to_shared_if(
             stage + src.beta_off + src.tid * 4, elem_addr, async_ok, tok, limit
         )
 
@@ -470,7 +442,7 @@ def _chunk_operands(src, stage, row_tok0, lane, col_w, n_tiles):
         for half in range(2):
             col = col_w + nt * 8 + acc_col(lane)
             ints.append(
-                mu.ld_shared_b32(
+                ptx.ld_shared_b32(
                     stage
                     + src.v_off
                     + v_smem_offset(acc_row(lane, half), col, src.block_v)
@@ -478,17 +450,17 @@ def _chunk_operands(src, stage, row_tok0, lane, col_w, n_tiles):
             )
     for half in range(2):
         bits = _beta_bits(src, stage, row_tok0, acc_row(lane, half))
-        ints.append(mu.sigmoid_bf16x2_from_logit(bits))
+        ints.append(ptx.sigmoid_bf16x2_from_logit(bits))
     small_off = ldmatrix_small_offset(lane)
-    ints += mu.ldmatrix_x4(stage + OFF_INV + small_off)
-    ints += mu.ldmatrix_x4(stage + OFF_MQK + small_off)
+    ints += ptx.ldmatrix_x4(stage + OFF_INV + small_off)
+    ints += ptx.ldmatrix_x4(stage + OFF_MQK + small_off)
     for mt in range(8):
-        ints += mu.ldmatrix_x4_trans(stage + OFF_KR + ldmatrix_krt_offset(lane, mt))
+        ints += ptx.ldmatrix_x4_trans(stage + OFF_KR + ldmatrix_krt_offset(lane, mt))
     for half in range(2):  # all ones for rows before the sequence end, else 0
         row = row_tok0 + acc_row(lane, half)
-        ints.append(mu.select_lt(row, src.eos, Int32(-1), Int32(0)))
+        ints.append(ptx.select_lt(row, src.eos, Int32(-1), Int32(0)))
     gt = [
-        mu.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, half)) * 4)
+        ptx.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, half)) * 4)
         for mt in range(8)
         for half in range(2)
     ]
@@ -511,59 +483,17 @@ def _split_operands(ints, n_tiles):
 def _next_chunk_operands(nxt, lane, kb):
     """(kd, qd) A operands of k-block kb from the next chunk's stage."""
     a_off = ldmatrix_a_offset(lane, kb)
-    return mu.ldmatrix_x4(nxt + OFF_KD + a_off), mu.ldmatrix_x4(nxt + OFF_QD + a_off)
+    return ptx.ldmatrix_x4(nxt + OFF_KD + a_off), ptx.ldmatrix_x4(nxt + OFF_QD + a_off)
 
 
 def _beta_bits(src, stage, row_tok0, r):
     """The raw bf16 beta logit of chunk row r from the stage (low 16 bits of an Int32)."""
     elem = (row_tok0 + r) * src.num_heads + src.head
     byte = Int32(src.beta_base + Int64(elem) * 2) & 2
-    return mu.ld_shared_u16(stage + src.beta_off + r * 4 + byte)
+    return ptx.ld_shared_u16(stage + src.beta_off + r * 4 + byte)
 
 
-def fake_args(block_v: int = 32):
-    """Fake tensors (dynamic T_total, H, N, S) + a fake stream for cute.compile / export."""
-    from cutlass import BFloat16, Uint8
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-    t_total = cute.sym_int32(symbol="T_total")
-    heads = cute.sym_int32(symbol="H")
-    seqs_plus_1 = cute.sym_int32(symbol="N_plus_1")
-    seqs = cute.sym_int32(symbol="N")
-    slots = cute.sym_int32(symbol="S")
-
-    def row_major(dtype, shape, align):
-        order = tuple(range(len(shape) - 1, -1, -1))
-        return make_fake_compact_tensor(
-            dtype, shape, stride_order=order, assumed_align=align
-        )
-
-    return (
-        row_major(BFloat16, (t_total, heads, D), 16),  # v
-        row_major(BFloat16, (t_total, heads), 2),  # beta
-        row_major(Uint8, (heads, slots, RECORD_BYTES), 16),  # workspace
-        row_major(Int32, (seqs_plus_1,), 4),  # cu_seqlens
-        row_major(BFloat16, (seqs, heads, D, D), 16),  # initial state
-        row_major(BFloat16, (t_total, heads, D), 16),  # out
-        row_major(BFloat16, (seqs, heads, D, D), 16),  # final state
-        make_fake_stream(),
-    )
-
-
-NVVM_FAST_MATH = "nvvm-options='-ftz=1 -prec-div=0 -prec-sqrt=0 -fma=1'"
-
-
-def compile_recurrence(
-    block_v: int = 32, arch: str = "sm_90a", dump_dir: str | None = None
-):
-    """cute.compile for a NAMED arch ("sm_90a" | "sm_100a"; the DSL silently targets sm_100a
-    otherwise) with FlashKDA's fast-math nvvm options. With dump_dir, the PTX and cubin are also
-    kept (files in dump_dir, and `__ptx__` / `__cubin__` on the result)."""
-    from cutlass.base_dsl.compiler import DumpDir, ExtraCompilerOpts
-
-    if arch not in ("sm_90a", "sm_100a"):
-        raise ValueError(f"arch must be sm_90a or sm_100a, got {arch}")
-    opts = [cute.GPUArch(arch), ExtraCompilerOpts(NVVM_FAST_MATH)]
-    if dump_dir is not None:
-        opts += [DumpDir(dump_dir), cute.KeepPTX(), cute.KeepCUBIN()]
-    return cute.compile[tuple(opts)](KdaRecurrence(block_v), *fake_args(block_v))
+def compile_kernel(block_v: int = 32, arch: str = "sm_90a", *, dump_dir: str | None = None):
+    """The column-split recurrence with `block_v` value columns per CTA, compiled for `arch`
+    (compile_utils.compile_for_arch)."""
+    return compile_for_arch(KdaRecurrence(block_v), recurrence_args(), arch, dump_dir=dump_dir)

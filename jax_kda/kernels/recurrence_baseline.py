@@ -98,16 +98,12 @@ out_full[b]. Each dependency points to an earlier chunk, so the wait graph is ac
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from . import mma_utils as mu
-from .common import _asm
-from .mma_utils import _i32, _i64, _store, _unpack, pred_lt_block
-from .recurrence import (
+from . import ptx
+from .compile_utils import compile_for_arch
+from .recurrence_common import (
     CHUNK,
-    NVVM_FAST_MATH,
     OFF_GT,
     OFF_INV,
     OFF_KD,
@@ -118,10 +114,10 @@ from .recurrence import (
     D,
     acc_col,
     acc_row,
-    fake_args,
     ldmatrix_a_offset,
     ldmatrix_krt_offset,
     ldmatrix_small_offset,
+    recurrence_args,
     sequence_bounds,
 )
 
@@ -187,239 +183,6 @@ def row_offset(row, col):
     """Byte offset of element (row, col) of a [16, 128] bf16 tile stored with ROW_PITCH (the
     stage's v rows and the out staging tiles)."""
     return row * ROW_PITCH + col * 2
-
-
-# ---- inline-asm helpers this kernel needs in addition to mma_utils (sm_90+ instructions) ----
-@dsl_user_op
-def mbar_init(bar, count, *, loc=None, ip=None):
-    _store(
-        [_i32(bar, loc, ip), _i32(count, loc, ip)],
-        "mbarrier.init.shared::cta.b64 [$1], $2;",
-        "r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def fence_mbarrier_init(*, loc=None, ip=None):
-    _store([], "fence.mbarrier_init.release.cluster;", "", loc, ip)
-
-
-@dsl_user_op
-def mbar_expect_tx_if(bar, nbytes, idx, limit, *, loc=None, ip=None):
-    """mbarrier.expect_tx (no arrival) if idx < limit."""
-    _store(
-        [
-            _i32(bar, loc, ip),
-            _i32(nbytes, loc, ip),
-            _i32(idx, loc, ip),
-            _i32(limit, loc, ip),
-        ],
-        pred_lt_block(
-            "$3, $4", "@p mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$1], $2;"
-        ),
-        "r,r,r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def mbar_arrive(bar, *, loc=None, ip=None):
-    """mbarrier.arrive (release, CTA scope) of this thread."""
-    _store(
-        [_i32(bar, loc, ip)],
-        "{\n\t.reg .b64 st;\n\tmbarrier.arrive.release.cta.shared::cta.b64 st, [$1];\n\t}",
-        "r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def mbar_wait(bar, parity, *, loc=None, ip=None):
-    """Spin until the phase of the given parity has completed (try_wait: acquire, CTA scope)."""
-    _store(
-        [_i32(bar, loc, ip), _i32(parity, loc, ip)],
-        "{\n\t.reg .pred p;\n\tWAIT_AGAIN:\n\t"
-        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [$1], $2;\n\t"
-        "@!p bra WAIT_AGAIN;\n\t}",
-        "r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def bulk_g2s_if(smem, gmem, nbytes, bar, idx, limit, *, loc=None, ip=None):
-    """1-D bulk copy global -> shared completing `nbytes` tx on mbarrier `bar`, if idx < limit."""
-    _store(
-        [
-            _i32(smem, loc, ip),
-            _i64(gmem, loc, ip),
-            _i32(nbytes, loc, ip),
-            _i32(bar, loc, ip),
-            _i32(idx, loc, ip),
-            _i32(limit, loc, ip),
-        ],
-        pred_lt_block(
-            "$5, $6",
-            "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-            "[$1], [$2], $3, [$4];",
-        ),
-        "r,l,r,r,r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def bulk_s2g_row_if(gmem, smem, nbytes, idx, limit, *, loc=None, ip=None):
-    """1-D bulk copy shared -> global (if idx < limit), then commit this thread's bulk group and
-    wait until its shared-memory source has been read (every lane: an empty group is fine)."""
-    _store(
-        [
-            _i64(gmem, loc, ip),
-            _i32(smem, loc, ip),
-            _i32(nbytes, loc, ip),
-            _i32(idx, loc, ip),
-            _i32(limit, loc, ip),
-        ],
-        pred_lt_block(
-            "$4, $5",
-            "@p cp.async.bulk.global.shared::cta.bulk_group [$1], [$2], $3;\n\t"
-            "cp.async.bulk.commit_group;\n\t"
-            "cp.async.bulk.wait_group.read 0;",
-        ),
-        "l,r,r,r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def bulk_wait_all(*, loc=None, ip=None):
-    """All of this thread's bulk groups complete (writes done)."""
-    _store([], "cp.async.bulk.wait_group 0;", "", loc, ip)
-
-
-@dsl_user_op
-def fence_proxy_async_shared(*, loc=None, ip=None):
-    """Order this thread's generic-proxy shared stores before later async-proxy accesses."""
-    _store([], "fence.proxy.async.shared::cta;", "", loc, ip)
-
-
-@dsl_user_op
-def warp_sync(*, loc=None, ip=None):
-    """bar.warp.sync over the full warp (also orders shared memory among its lanes)."""
-    _store([], "bar.warp.sync -1;", "", loc, ip)
-
-
-@dsl_user_op
-def stmatrix_x4_trans(smem_addr, regs, *, loc=None, ip=None):
-    """Store four 8x8 fragments, each transposed (inverse of ldmatrix_x4_trans, same addressing)."""
-    _store(
-        [_i32(smem_addr, loc, ip)] + [_i32(r, loc, ip) for r in regs],
-        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$1], {$2, $3, $4, $5};",
-        "r,r,r,r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def st_shared_b32(smem_addr, value, *, loc=None, ip=None):
-    _store(
-        [_i32(smem_addr, loc, ip), _i32(value, loc, ip)],
-        "st.shared.b32 [$1], $2;",
-        "r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def st_shared_u16(smem_addr, value, *, loc=None, ip=None):
-    """Store the low 16 bits of value."""
-    _store(
-        [_i32(smem_addr, loc, ip), _i32(value, loc, ip)],
-        "{\n\t.reg .b16 h;\n\tcvt.u16.u32 h, $2;\n\tst.shared.b16 [$1], h;\n\t}",
-        "r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def ld_global_u16_if(gmem_addr, idx, limit, *, loc=None, ip=None):
-    """Zero-extended *(u16*)addr if idx < limit, else 0 (no access)."""
-    return Int32(
-        _asm(
-            T.i32(),
-            [_i64(gmem_addr, loc, ip), _i32(idx, loc, ip), _i32(limit, loc, ip)],
-            pred_lt_block(
-                "$2, $3",
-                ".reg .b16 h;\n\tmov.b16 h, 0;\n\t@p ld.global.b16 h, [$1];\n\t"
-                "cvt.u32.u16 $0, h;",
-            ),
-            "=r,l,r,r,~{memory}",
-            loc,
-            ip,
-            side_effects=True,
-        )
-    )
-
-
-@dsl_user_op
-def ld_global_v4(gmem_addr, *, loc=None, ip=None):
-    """16 bytes from global memory (coherent path: the state buffers may alias)."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [_i64(gmem_addr, loc, ip)],
-        "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l,~{memory}",
-        loc,
-        ip,
-        side_effects=True,
-    )
-    return _unpack(res, T.i32(), 4, Int32)
-
-
-@dsl_user_op
-def ld_shared_v4(smem_addr, *, loc=None, ip=None):
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [_i32(smem_addr, loc, ip)],
-        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r,~{memory}",
-        loc,
-        ip,
-        side_effects=True,
-    )
-    return _unpack(res, T.i32(), 4, Int32)
-
-
-@dsl_user_op
-def st_shared_v4(smem_addr, regs, *, loc=None, ip=None):
-    _store(
-        [_i32(smem_addr, loc, ip)] + [_i32(r, loc, ip) for r in regs],
-        "st.shared.v4.b32 [$1], {$2, $3, $4, $5};",
-        "r,r,r,r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def st_global_v4(gmem_addr, regs, *, loc=None, ip=None):
-    _store(
-        [_i64(gmem_addr, loc, ip)] + [_i32(r, loc, ip) for r in regs],
-        "st.global.v4.b32 [$1], {$2, $3, $4, $5};",
-        "l,r,r,r,r",
-        loc,
-        ip,
-    )
 
 
 def state_copy_granule(lane, i, col_w):
@@ -488,13 +251,13 @@ class KdaRecurrenceBaseline:
 
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
-                mbar_init(bars + (BAR_FULL + s) * 8, Int32(FULL_COUNT))
-                mbar_init(bars + (BAR_EMPTY + s) * 8, Int32(EMPTY_COUNT))
+                ptx.mbar_init(bars + (BAR_FULL + s) * 8, Int32(FULL_COUNT))
+                ptx.mbar_init(bars + (BAR_EMPTY + s) * 8, Int32(EMPTY_COUNT))
             for b in cutlass.range_constexpr(OUT_BUFS):
-                mbar_init(bars + (BAR_OUT_FULL + b) * 8, Int32(OUT_FULL_COUNT))
-                mbar_init(bars + (BAR_OUT_EMPTY + b) * 8, Int32(OUT_EMPTY_COUNT))
-            fence_mbarrier_init()
-        mu.cta_barrier()
+                ptx.mbar_init(bars + (BAR_OUT_FULL + b) * 8, Int32(OUT_FULL_COUNT))
+                ptx.mbar_init(bars + (BAR_OUT_EMPTY + b) * 8, Int32(OUT_EMPTY_COUNT))
+            ptx.fence_mbarrier_init()
+        ptx.cta_barrier()
 
         # token row tok of head `head` in v / out: base + tok * row_stride
         row_stride = Int64(num_heads) * ROW_BYTES
@@ -528,17 +291,17 @@ class KdaRecurrenceBaseline:
                 s, par = ring_slot(c, STAGES)
                 full = bars + (BAR_FULL + s) * 8
                 stage = ring + s * STAGE_BYTES
-                mbar_wait(bars + (BAR_EMPTY + s) * 8, par ^ 1)
+                ptx.mbar_wait(bars + (BAR_EMPTY + s) * 8, par ^ 1)
                 tok0 = bos + c * CHUNK
                 n_valid = cutlass.min(eos - tok0, Int32(CHUNK))
-                mbar_expect_tx_if(
+                ptx.mbar_expect_tx_if(
                     full, RECORD_BYTES + n_valid * ROW_BYTES, lane, Int32(1)
                 )
-                warp_sync()  # expected bytes registered before any copy can complete
+                ptx.warp_sync()  # expected bytes registered before any copy can complete
                 rec = ws_head + Int64(slot0 + c) * RECORD_BYTES
-                bulk_g2s_if(stage, rec, Int32(RECORD_BYTES), full, lane, Int32(1))
+                ptx.bulk_g2s_if(stage, rec, Int32(RECORD_BYTES), full, lane, Int32(1))
                 tok = tok0 + lane
-                bulk_g2s_if(
+                ptx.bulk_g2s_if(
                     stage + V_OFF + lane * ROW_PITCH,
                     v_head + Int64(tok) * row_stride,
                     Int32(ROW_BYTES),
@@ -546,33 +309,33 @@ class KdaRecurrenceBaseline:
                     lane,
                     n_valid,
                 )
-                bits = ld_global_u16_if(
+                bits = ptx.ld_global_u16_if(
                     beta_head + Int64(tok) * Int64(num_heads) * 2, lane, n_valid
                 )
                 if lane < CHUNK:
-                    st_shared_u16(stage + BETA_OFF + lane * 2, bits)
-                mbar_arrive(full)
+                    ptx.st_shared_u16(stage + BETA_OFF + lane * 2, bits)
+                ptx.mbar_arrive(full)
             # tail: wait until the MMA warps released the last min(STAGES, num_chunks) chunks
             for i in cutlass.range_constexpr(STAGES):
                 c = num_chunks + i
                 if c >= STAGES:
                     s, par = ring_slot(c, STAGES)
-                    mbar_wait(bars + (BAR_EMPTY + s) * 8, par ^ 1)
+                    ptx.mbar_wait(bars + (BAR_EMPTY + s) * 8, par ^ 1)
         if warp == STORE_WARP:
             for c in range(num_chunks):
                 b, par = ring_slot(c, OUT_BUFS)
-                mbar_wait(bars + (BAR_OUT_FULL + b) * 8, par)
+                ptx.mbar_wait(bars + (BAR_OUT_FULL + b) * 8, par)
                 tok0 = bos + c * CHUNK
                 n_valid = cutlass.min(eos - tok0, Int32(CHUNK))
-                bulk_s2g_row_if(
+                ptx.bulk_s2g_row_if(
                     out_head + Int64(tok0 + lane) * row_stride,
                     out_s + b * OUT_TILE_BYTES + lane * ROW_PITCH,
                     Int32(ROW_BYTES),
                     lane,
                     n_valid,
                 )
-                mbar_arrive(bars + (BAR_OUT_EMPTY + b) * 8)
-            bulk_wait_all()
+                ptx.mbar_arrive(bars + (BAR_OUT_EMPTY + b) * 8)
+            ptx.bulk_wait_all()
 
 
 @cute.jit
@@ -586,14 +349,14 @@ def _mma_warp(
     # ---- initial state -> shared memory (this warp's 32 rows), swizzled ----
     for i in cutlass.range_constexpr(16):
         v, kg = state_copy_granule(lane, i, col_w)
-        vals = ld_global_v4(s0_base + (Int64(v) * D + Int64(kg * 8)) * 2)
-        st_shared_v4(state_s + state_smem_offset(v, kg * 8), vals)
-    warp_sync()
+        vals = ptx.ld_global_v4(s0_base + (Int64(v) * D + Int64(kg * 8)) * 2)
+        ptx.st_shared_v4(state_s + state_smem_offset(v, kg * 8), vals)
+    ptx.warp_sync()
 
     for c in range(num_chunks):
         s, par = ring_slot(c, STAGES)
         stage = ring + s * STAGE_BYTES
-        mbar_wait(bars + (BAR_FULL + s) * 8, par)
+        ptx.mbar_wait(bars + (BAR_FULL + s) * 8, par)
         tok0 = bos + c * CHUNK
 
         # P = kd . S^T, Oq = qd . S^T, k-blocks ascending; B operands from the shared state
@@ -601,32 +364,32 @@ def _mma_warp(
         o_acc = [[zero_f] * 4 for _ in range(NT)]
         for kb in cutlass.range_constexpr(8):
             a_off = ldmatrix_a_offset(lane, kb)
-            a_kd = mu.ldmatrix_x4(stage + OFF_KD + a_off)
-            a_qd = mu.ldmatrix_x4(stage + OFF_QD + a_off)
+            a_kd = ptx.ldmatrix_x4(stage + OFF_KD + a_off)
+            a_qd = ptx.ldmatrix_x4(stage + OFF_QD + a_off)
             for pair in cutlass.range_constexpr(NT // 2):
-                bb = mu.ldmatrix_x4(
+                bb = ptx.ldmatrix_x4(
                     state_s + state_ldsm_offset(lane, kb, col_w + 16 * pair)
                 )
                 for e in cutlass.range_constexpr(2):
                     nt = 2 * pair + e
                     b = (bb[2 * e], bb[2 * e + 1])
-                    p_acc[nt] = mu.mma_bf16_16816(a_kd, b, p_acc[nt])
-                    o_acc[nt] = mu.mma_bf16_16816(a_qd, b, o_acc[nt])
+                    p_acc[nt] = ptx.mma_bf16_16816(a_kd, b, p_acc[nt])
+                    o_acc[nt] = ptx.mma_bf16_16816(a_qd, b, o_acc[nt])
 
         # chunk operands from the stage
         b_in = [
-            mu.sigmoid_bf16x2_from_logit(
-                mu.ld_shared_u16(stage + BETA_OFF + acc_row(lane, half) * 2)
+            ptx.sigmoid_bf16x2_from_logit(
+                ptx.ld_shared_u16(stage + BETA_OFF + acc_row(lane, half) * 2)
             )
             for half in range(2)
         ]
         row_mask = [
-            mu.select_lt(tok0 + acc_row(lane, half), eos, Int32(-1), Int32(0))
+            ptx.select_lt(tok0 + acc_row(lane, half), eos, Int32(-1), Int32(0))
             for half in range(2)
         ]
         small_off = ldmatrix_small_offset(lane)
-        a_inv = mu.ldmatrix_x4(stage + OFF_INV + small_off)
-        a_mqk = mu.ldmatrix_x4(stage + OFF_MQK + small_off)
+        a_inv = ptx.ldmatrix_x4(stage + OFF_INV + small_off)
+        a_mqk = ptx.ldmatrix_x4(stage + OFF_MQK + small_off)
 
         # u = bf16(bf16(v - P) * bf16(b)) (rows past the end: exactly 0); U = bf16(INV . u)
         ub = []
@@ -634,89 +397,77 @@ def _mma_warp(
             col = col_w + nt * 8 + acc_col(lane)
             u = []
             for half in cutlass.range_constexpr(2):
-                v_in = mu.ld_shared_b32(
+                v_in = ptx.ld_shared_b32(
                     stage + V_OFF + row_offset(acc_row(lane, half), col)
                 )
-                p = mu.pack_bf16x2(p_acc[nt][2 * half], p_acc[nt][2 * half + 1])
-                uu = mu.mul_bf16x2(mu.sub_bf16x2(v_in, p), b_in[half])
+                p = ptx.pack_bf16x2_i32(p_acc[nt][2 * half], p_acc[nt][2 * half + 1])
+                uu = ptx.mul_bf16x2(ptx.sub_bf16x2(v_in, p), b_in[half])
                 u.append(uu & row_mask[half])
-            u_acc = mu.mma_bf16_16816(
+            u_acc = ptx.mma_bf16_16816(
                 a_inv,
-                (mu.movmatrix_trans(u[0]), mu.movmatrix_trans(u[1])),
+                (ptx.movmatrix_trans(u[0]), ptx.movmatrix_trans(u[1])),
                 [zero_f] * 4,
             )
-            big_u0 = mu.pack_bf16x2(u_acc[0], u_acc[1])
-            big_u1 = mu.pack_bf16x2(u_acc[2], u_acc[3])
-            ub.append((mu.movmatrix_trans(big_u0), mu.movmatrix_trans(big_u1)))
+            big_u0 = ptx.pack_bf16x2_i32(u_acc[0], u_acc[1])
+            big_u1 = ptx.pack_bf16x2_i32(u_acc[2], u_acc[3])
+            ub.append((ptx.movmatrix_trans(big_u0), ptx.movmatrix_trans(big_u1)))
 
         # out = bf16(Oq + bf16(Mqk . U)) -> staging tile b (all 16 rows; the store warp writes
         # only the valid ones)
         ob, out_par = ring_slot(c, OUT_BUFS)
         out_tile = out_s + ob * OUT_TILE_BYTES
-        m_acc = [mu.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4) for nt in range(NT)]
-        mbar_wait(bars + (BAR_OUT_EMPTY + ob) * 8, out_par ^ 1)
+        m_acc = [ptx.mma_bf16_16816(a_mqk, ub[nt], [zero_f] * 4) for nt in range(NT)]
+        ptx.mbar_wait(bars + (BAR_OUT_EMPTY + ob) * 8, out_par ^ 1)
         for nt in cutlass.range_constexpr(NT):
             col = col_w + nt * 8 + acc_col(lane)
             for half in cutlass.range_constexpr(2):
-                mq = mu.pack_bf16x2(m_acc[nt][2 * half], m_acc[nt][2 * half + 1])
-                oq = mu.pack_bf16x2(o_acc[nt][2 * half], o_acc[nt][2 * half + 1])
-                st_shared_b32(
+                mq = ptx.pack_bf16x2_i32(m_acc[nt][2 * half], m_acc[nt][2 * half + 1])
+                oq = ptx.pack_bf16x2_i32(o_acc[nt][2 * half], o_acc[nt][2 * half + 1])
+                ptx.st_shared_b32(
                     out_tile + row_offset(acc_row(lane, half), col),
-                    mu.add_bf16x2(oq, mq),
+                    ptx.add_bf16x2(oq, mq),
                 )
-        fence_proxy_async_shared()
-        mbar_arrive(bars + (BAR_OUT_FULL + ob) * 8)
+        ptx.fence_proxy_async_shared()
+        ptx.mbar_arrive(bars + (BAR_OUT_FULL + ob) * 8)
 
         # S[j, k] = bf16(fmaf(f32(S[j, k]), gt[k], (kr^T . U)[k, j])), k-tile by k-tile: the old
         # state comes in (ldmatrix.trans) and goes out (stmatrix.trans) in the accumulator
         # layout, i.e. as recurrence.py's state registers.
         for mt in cutlass.range_constexpr(8):
-            a_krt = mu.ldmatrix_x4_trans(stage + OFF_KR + ldmatrix_krt_offset(lane, mt))
-            gt_lo = mu.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, 0)) * 4)
-            gt_hi = mu.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, 1)) * 4)
+            a_krt = ptx.ldmatrix_x4_trans(stage + OFF_KR + ldmatrix_krt_offset(lane, mt))
+            gt_lo = ptx.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, 0)) * 4)
+            gt_hi = ptx.ld_shared_f32(stage + OFF_GT + (mt * 16 + acc_row(lane, 1)) * 4)
             for pair in cutlass.range_constexpr(NT // 2):
                 addr = state_s + state_ldsm_offset(lane, mt, col_w + 16 * pair)
-                old = mu.ldmatrix_x4_trans(addr)
+                old = ptx.ldmatrix_x4_trans(addr)
                 new = []
                 for e in cutlass.range_constexpr(2):
-                    wt = mu.mma_bf16_16816(a_krt, ub[2 * pair + e], [zero_f] * 4)
+                    wt = ptx.mma_bf16_16816(a_krt, ub[2 * pair + e], [zero_f] * 4)
                     s_lo = old[2 * e]
                     s_hi = old[2 * e + 1]
                     new.append(
-                        mu.pack_bf16x2(
-                            mu.fma_ftz(mu.bf16_lo_to_f32(s_lo), gt_lo, wt[0]),
-                            mu.fma_ftz(mu.bf16_hi_to_f32(s_lo), gt_lo, wt[1]),
+                        ptx.pack_bf16x2_i32(
+                            ptx.ffma(ptx.bf16x2_lo_to_f32(s_lo), gt_lo, wt[0]),
+                            ptx.ffma(ptx.bf16x2_hi_to_f32(s_lo), gt_lo, wt[1]),
                         )
                     )
                     new.append(
-                        mu.pack_bf16x2(
-                            mu.fma_ftz(mu.bf16_lo_to_f32(s_hi), gt_hi, wt[2]),
-                            mu.fma_ftz(mu.bf16_hi_to_f32(s_hi), gt_hi, wt[3]),
+                        ptx.pack_bf16x2_i32(
+                            ptx.ffma(ptx.bf16x2_lo_to_f32(s_hi), gt_hi, wt[2]),
+                            ptx.ffma(ptx.bf16x2_hi_to_f32(s_hi), gt_hi, wt[3]),
                         )
                     )
-                stmatrix_x4_trans(addr, new)
-        mbar_arrive(bars + (BAR_EMPTY + s) * 8)  # stage s fully read
-        warp_sync()  # new state rows visible to every lane of the warp
+                ptx.stmatrix_x4_trans(addr, new)
+        ptx.mbar_arrive(bars + (BAR_EMPTY + s) * 8)  # stage s fully read
+        ptx.warp_sync()  # new state rows visible to every lane of the warp
 
     # ---- final state (also for zero-length sequences: the initial state) ----
     for i in cutlass.range_constexpr(16):
         v, kg = state_copy_granule(lane, i, col_w)
-        vals = ld_shared_v4(state_s + state_smem_offset(v, kg * 8))
-        st_global_v4(sT_base + (Int64(v) * D + Int64(kg * 8)) * 2, vals)
+        vals = ptx.ld_shared_v4(state_s + state_smem_offset(v, kg * 8))
+        ptx.st_global_v4(sT_base + (Int64(v) * D + Int64(kg * 8)) * 2, vals)
 
 
-def compile_recurrence_baseline(
-    variant: str = "baseline", arch: str = "sm_90a", dump_dir: str | None = None
-):
-    """cute.compile of the baseline for a NAMED arch ("sm_90a" | "sm_100a"), with the same
-    fast-math nvvm options and dump options as recurrence.compile_recurrence."""
-    from cutlass.base_dsl.compiler import DumpDir, ExtraCompilerOpts
-
-    if variant != "baseline":
-        raise ValueError(f"variant must be 'baseline', got {variant!r}")
-    if arch not in ("sm_90a", "sm_100a"):
-        raise ValueError(f"arch must be sm_90a or sm_100a, got {arch}")
-    opts = [cute.GPUArch(arch), ExtraCompilerOpts(NVVM_FAST_MATH)]
-    if dump_dir is not None:
-        opts += [DumpDir(dump_dir), cute.KeepPTX(), cute.KeepCUBIN()]
-    return cute.compile[tuple(opts)](KdaRecurrenceBaseline(), *fake_args(128))
+def compile_kernel(arch: str = "sm_90a", *, dump_dir: str | None = None):
+    """The baseline recurrence compiled for `arch` (compile_utils.compile_for_arch)."""
+    return compile_for_arch(KdaRecurrenceBaseline(), recurrence_args(), arch, dump_dir=dump_dir)

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import numpy as np
 
-CHUNK = 16
-D = 128
-KD_OFFSET = 0
-QD_OFFSET = 4096
-KR_OFFSET = 8192
-GT_OFFSET = 12288
-INV_OFFSET = 12800
-MQK_OFFSET = 13312
-RECORD_BYTES = 13824
+from ..contract import (
+    CHUNK,
+    GT_OFFSET,
+    INV_OFFSET,
+    KD_OFFSET,
+    KR_OFFSET,
+    MQK_OFFSET,
+    QD_OFFSET,
+    RECORD_BYTES,
+)
+from ..contract import HEAD_DIM as D
 
 _TILES = {"kd": KD_OFFSET, "qd": QD_OFFSET, "kr": KR_OFFSET}
 _SMALL = {"inv": INV_OFFSET, "mqk": MQK_OFFSET}
@@ -91,11 +93,6 @@ def chunk_slots(cu_seqlens: np.ndarray) -> list[tuple[int, int, int]]:
         for j in range((length + CHUNK - 1) // CHUNK):
             out.append((n, j, int(cu[n]) // CHUNK + n + j))
     return out
-
-
-def num_slots(t_total: int, n_seqs: int) -> int:
-    """S = ceil(T_total / 16) + N (the workspace's second dimension)."""
-    return -(-t_total // CHUNK) + n_seqs
 
 
 def decode_workspace(ws: np.ndarray, cu_seqlens: np.ndarray) -> dict[str, np.ndarray]:

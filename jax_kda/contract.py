@@ -1,0 +1,114 @@
+"""The kernel contract: every fact that the Python runtime, the CuTe DSL kernels, the ahead-of-time
+build and the C++ FFI handlers must agree on, written down once.
+
+Standard library only, so that the build can run it as a script (`python contract.py --header
+FILE` writes the C++ header `kernel_contract.h` the handlers are compiled against) and the kernels
+can import it without JAX. docs/kernel_abi.md explains the operands and layouts these numbers
+describe.
+
+Adding a GPU architecture: one entry in ARCHS (CuTe DSL must support it); the handlers and
+`jax_kda._ffi` dispatch on the compute capabilities listed there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+# ---- problem geometry -------------------------------------------------------------------------
+HEAD_DIM = 128  # K = V = 128 for every head
+CHUNK = 16  # tokens per chunk of the chunked recurrence
+
+# ---- the prepare -> recurrence workspace: one record per (head, chunk slot) ---------------------
+# Byte offsets inside a record. kd, qd, kr: bf16 [16, 128] in swizzled rows (element (r, c) at
+# element offset r * 128 + ((c // 8) ^ (r % 8)) * 8 + c % 8); gt: f32 [128]; INV, Mqk: bf16
+# [16, 16] row-major.
+KD_OFFSET = 0
+QD_OFFSET = 4096
+KR_OFFSET = 8192
+GT_OFFSET = 12288
+INV_OFFSET = 12800
+MQK_OFFSET = 13312
+RECORD_BYTES = 13824
+
+
+def workspace_slots(total_tokens: int, num_seqs: int) -> int:
+    """Chunk slots of a workspace: ceil(T_total / 16) + N. Chunk c of sequence n lives in slot
+    cu_seqlens[n] // 16 + n + c, so every sequence starts a fresh slot whatever its offset."""
+    return -(-total_tokens // CHUNK) + num_seqs
+
+
+# ---- launch choices and their custom-call attribute encodings -----------------------------------
+COLUMN_SPLITS = (16, 32, 64, 128)  # value columns per CTA of the column-split recurrence
+# The recurrence's `block_v` attribute value that selects the baseline kernel (one CTA per
+# (sequence, head), state in shared memory) instead of a column split.
+BASELINE_BLOCK_V = 0
+INVERSE_IDS = {"stable": 0, "neumann": 1}  # the prepare's `inverse` attribute
+
+# ---- targets and architectures ------------------------------------------------------------------
+ABI_VERSION = 1  # bumped whenever docs/kernel_abi.md changes incompatibly
+PREPARE_TARGET = "jax_kda_prepare_v1"
+RECURRENCE_TARGET = "jax_kda_recurrence_v1"
+CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET)
+# CuTe DSL target -> (major, minor) compute capability it runs on. The "a" targets are not
+# forward compatible: sm_90a runs on 9.0 only, sm_100a on 10.0 only.
+ARCHS = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
+
+# ---- compiler options ---------------------------------------------------------------------------
+# FlashKDA is built with nvcc --use_fast_math: f32 ops flush subnormals, divisions and square
+# roots are approximate. The kernels pin every rounding with explicit PTX, so these options only
+# matter where the compiler emits f32 arithmetic on its own.
+NVVM_FAST_MATH = "nvvm-options='-ftz=1 -prec-div=0 -prec-sqrt=0 -fma=1'"
+
+
+def arch_sm(arch: str) -> int:
+    """The SM number of a CuTe DSL target: "sm_90a" -> 90."""
+    major, minor = ARCHS[arch]
+    return 10 * major + minor
+
+
+def supported_compute_capabilities() -> tuple[str, ...]:
+    """The compute capabilities the kernels run on, as JAX spells them ("9.0", "10.0")."""
+    return tuple(f"{major}.{minor}" for major, minor in ARCHS.values())
+
+
+def cpp_header() -> str:
+    """The C++ header with the numbers the FFI handlers check and dispatch on."""
+    sms = ", ".join(str(arch_sm(a)) for a in ARCHS)
+    splits = ", ".join(str(b) for b in COLUMN_SPLITS)
+    lines = [
+        "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); do not edit.",
+        "#pragma once",
+        "",
+        "#include <cstdint>",
+        "",
+        "namespace jax_kda {",
+        "",
+        f"constexpr int kAbiVersion = {ABI_VERSION};",
+        f"constexpr int64_t kHeadDim = {HEAD_DIM};",
+        f"constexpr int64_t kChunk = {CHUNK};",
+        f"constexpr int64_t kRecordBytes = {RECORD_BYTES};",
+        f"constexpr int32_t kBaselineBlockV = {BASELINE_BLOCK_V};",
+        f"constexpr int32_t kColumnSplits[] = {{{splits}}};",
+        f"constexpr int32_t kInverseStable = {INVERSE_IDS['stable']};",
+        f"constexpr int32_t kInverseNeumann = {INVERSE_IDS['neumann']};",
+        f"constexpr int kSupportedSms[] = {{{sms}}};  // 10 * major + minor",
+        "",
+        "}  // namespace jax_kda",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_cpp_header(path: pathlib.Path) -> None:
+    """Writes cpp_header() to `path` unless it already holds exactly that (keeps builds cached)."""
+    text = cpp_header()
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Write the kernel contract as a C++ header.")
+    parser.add_argument("--header", type=pathlib.Path, required=True)
+    write_cpp_header(parser.parse_args().header)
