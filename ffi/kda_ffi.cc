@@ -1,4 +1,5 @@
-// XLA FFI handlers for the two jax_kda custom calls (docs/kernel_abi.md):
+// XLA FFI handlers for the prefill custom calls (docs/kernel_abi.md; serving_ffi.cc has the
+// pool recurrence and the decode step):
 //   jax_kda_prepare_v1     q, k, g, beta, A_log, dt_bias, cu_seqlens -> workspace
 //   jax_kda_recurrence_v1  v, beta, workspace, cu_seqlens, state0   -> out, final_state
 //                          (block_v 16/32/64/128: column split; 0: the baseline kernel)
@@ -13,86 +14,17 @@
 #include <span>
 #include <string>
 
-#include "kernel_registry.h"
-#include "module_loader.h"
-#include "shape_checks.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "handler_common.h"
 
 namespace jax_kda {
 namespace {
 
-#define JAX_KDA_RETURN_IF(expr)                                        \
-  if (std::string _e = (expr); !_e.empty()) {                          \
-    return ffi::Error::InvalidArgument(std::string("jax_kda: ") + _e); \
-  }
-
-ffi::Error Internal(const std::string& message) {
-  return ffi::Error::Internal("jax_kda: " + message);
-}
-
-// The specialisation for (variant, arch of the stream's device), loaded on that device.
-// `describe` names the variant in the error message, e.g. "block_v=32" (only built on error).
-template <typename Args>
-std::string Resolve(std::span<const KernelSpec<Args>> specs, const char* kernel,
-                    std::string (*describe)(int), int variant, cudaStream_t stream,
-                    bool in_execute, const KernelSpec<Args>** out) {
-  int device = 0, sm = 0;
-  if (std::string e = StreamDevice(stream, &device); !e.empty()) return e;
-  if (std::string e = DeviceArch(device, &sm); !e.empty()) return e;
-  for (const KernelSpec<Args>& spec : specs) {
-    if (spec.module.variant != variant || spec.module.sm != sm) continue;
-    *out = &spec;
-    // In execute this is a last resort, reached only if XLA ran neither the instantiate nor the
-    // initialize stage for this device (a command-buffer path may skip initialize): loading
-    // enqueues nothing, so it is legal during capture once the capture mode is relaxed.
-    return EnsureLoaded(spec.module, device, /*relax_capture=*/in_execute);
-  }
-  return std::string("this jax_kda build has no ") + kernel + " kernel for " + describe(variant) +
-         " on sm_" + std::to_string(sm) + "a (rebuild the package with kernels enabled)";
-}
-
-// Instantiate stage: no stream and no buffers; load on every device this process already uses
-// (never create contexts on other GPUs). Unsupported GPUs are left to execute to report.
-template <typename Args>
-std::string LoadOnActiveDevices(std::span<const KernelSpec<Args>> specs, int variant) {
-  int count = 0;
-  cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) return CudaMessage("cudaGetDeviceCount", err);
-  for (int device = 0; device < count && device < kMaxDevices; ++device) {
-    int sm = 0;
-    if (!PrimaryContextActive(device) || !DeviceArch(device, &sm).empty()) continue;
-    for (const KernelSpec<Args>& spec : specs) {
-      if (spec.module.variant != variant || spec.module.sm != sm) continue;
-      if (std::string e = EnsureLoaded(spec.module, device); !e.empty()) return e;
-    }
-  }
-  return {};
-}
-
 // ---------------------------------------------------------------------------------------------
 // prepare
 
-std::string InverseText(int inverse) { return "inverse=" + std::to_string(inverse); }
-
-std::string CheckPrepareAttrs(float scale, float lower_bound, int32_t inverse) {
-  if (inverse != kInverseStable && inverse != kInverseNeumann) {
-    return "prepare: attribute inverse must be " + std::to_string(kInverseStable) +
-           " (stable) or " + std::to_string(kInverseNeumann) + " (neumann), got " +
-           std::to_string(inverse);
-  }
-  if (!std::isfinite(scale)) return "prepare: attribute scale must be finite";
-  if (!(lower_bound >= -5.0f && lower_bound < 0.0f)) {
-    return "prepare: attribute lower_bound must lie in [-5, 0), got " +
-           std::to_string(lower_bound);
-  }
-  return {};
-}
-
 ffi::Error PrepareInstantiate(float scale, float lower_bound, int32_t inverse) {
-  JAX_KDA_RETURN_IF(CheckPrepareAttrs(scale, lower_bound, inverse));
-  if (std::string e = LoadOnActiveDevices(PrepareSpecs(), inverse); !e.empty()) return Internal(e);
+  JAX_KDA_RETURN_IF(CheckGateAttrs("prepare", scale, lower_bound, inverse));
+  if (std::string e = LoadOnActiveDevices(PrepareSpecs(), {inverse}); !e.empty()) return Internal(e);
   return ffi::Error::Success();
 }
 
@@ -101,7 +33,7 @@ ffi::Error PrepareInitialize(cudaStream_t stream, ffi::Buffer<ffi::BF16>, ffi::B
                              ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                              ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::U8>>,
                              float scale, float lower_bound, int32_t inverse) {
-  JAX_KDA_RETURN_IF(CheckPrepareAttrs(scale, lower_bound, inverse));
+  JAX_KDA_RETURN_IF(CheckGateAttrs("prepare", scale, lower_bound, inverse));
   const KernelSpec<PrepareArgs>* spec = nullptr;
   std::string e = Resolve(PrepareSpecs(), "prepare", InverseText, inverse, stream,
                           /*in_execute=*/false, &spec);
@@ -116,7 +48,7 @@ ffi::Error PrepareExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Bu
                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, float scale,
                           float lower_bound, int32_t inverse) {
   const char* call = "prepare";
-  JAX_KDA_RETURN_IF(CheckPrepareAttrs(scale, lower_bound, inverse));
+  JAX_KDA_RETURN_IF(CheckGateAttrs("prepare", scale, lower_bound, inverse));
   int64_t t = 0, h = 0, n = 0;
   JAX_KDA_RETURN_IF(CheckProblem(call, q.dimensions(), cu_seqlens.dimensions(), &t, &h, &n));
   const int64_t s = NumSlots(t, n);
@@ -166,7 +98,7 @@ std::string BlockVText(int block_v) {
 
 ffi::Error RecurrenceInstantiate(int32_t block_v) {
   JAX_KDA_RETURN_IF(CheckBlockV(block_v));
-  if (std::string e = LoadOnActiveDevices(RecurrenceSpecs(), block_v); !e.empty()) {
+  if (std::string e = LoadOnActiveDevices(RecurrenceSpecs(), {block_v}); !e.empty()) {
     return Internal(e);
   }
   return ffi::Error::Success();
@@ -265,9 +197,6 @@ auto RecurrenceInstantiateBinding() {
 }  // namespace
 }  // namespace jax_kda
 
-// Exported symbols: the library is built with -fvisibility=hidden and a version script
-// (exports.map), so each is declared visible here before the macro defines it.
-#define JAX_KDA_EXPORT extern "C" __attribute__((visibility("default")))
 JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Instantiate(XLA_FFI_CallFrame*);
 JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Initialize(XLA_FFI_CallFrame*);
 JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Execute(XLA_FFI_CallFrame*);
@@ -303,6 +232,8 @@ JAX_KDA_EXPORT const char* jax_kda_ffi_kernels() {
     };
     for (const auto& spec : jax_kda::PrepareSpecs()) add(spec.module.name);
     for (const auto& spec : jax_kda::RecurrenceSpecs()) add(spec.module.name);
+    for (const auto& spec : jax_kda::RecurrencePoolSpecs()) add(spec.module.name);
+    for (const auto& spec : jax_kda::DecodeSpecs()) add(spec.module.name);
     return s;
   }();
   return names.c_str();

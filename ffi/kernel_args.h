@@ -18,8 +18,8 @@ namespace jax_kda {
 struct DenseTensor {
   void* data = nullptr;
   int rank = 0;
-  int64_t dims[4] = {0, 0, 0, 0};
-  bool dynamic[4] = {false, false, false, false};  // symbolic in the compiled kernel
+  int64_t dims[5] = {0, 0, 0, 0, 0};
+  bool dynamic[5] = {false, false, false, false, false};  // symbolic in the compiled kernel
 };
 
 template <typename S>

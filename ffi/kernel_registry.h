@@ -24,13 +24,34 @@ struct RecurrenceArgs {
   cudaStream_t stream = nullptr;
 };
 
+struct RecurrencePoolArgs {
+  DenseTensor v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool, out,
+      checkpoints;
+  int32_t checkpoint_chunks = 0;
+  cudaStream_t stream = nullptr;
+};
+
+struct DecodeArgs {
+  DenseTensor q, k, v, g, beta, a_log, dt_bias, state_indices, pool, out, states;
+  float scale = 0.f, lower_bound = 0.f;
+  cudaStream_t stream = nullptr;
+};
+
 template <typename Args>
 struct KernelSpec {
   ModuleEntry module;
   std::string (*launch)(const Args&);  // "" on success, else what failed
 };
 
+// The `variant` key of the specialisations with several attributes (ModuleEntry::variant).
+constexpr int PoolVariant(int block_v, int state_dtype) { return block_v * 2 + state_dtype; }
+constexpr int DecodeVariant(int inverse, int state_dtype, int intermediate) {
+  return (inverse * 2 + state_dtype) * 2 + intermediate;
+}
+
 std::span<const KernelSpec<PrepareArgs>> PrepareSpecs();
 std::span<const KernelSpec<RecurrenceArgs>> RecurrenceSpecs();
+std::span<const KernelSpec<RecurrencePoolArgs>> RecurrencePoolSpecs();
+std::span<const KernelSpec<DecodeArgs>> DecodeSpecs();
 
 }  // namespace jax_kda

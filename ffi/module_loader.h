@@ -26,7 +26,7 @@ struct LoadState {
 // One exported specialisation's loader entry points (from its export_to_c header).
 struct ModuleEntry {
   const char* name;
-  int variant;  // inverse id for prepare, block_v for recurrence
+  int variant;  // inverse id (prepare), block_v (recurrence), PoolVariant, DecodeVariant
   int sm;       // 90 (sm_90a objects) or 100 (sm_100a objects)
   void (*init)(void**);
   void (*load_to_device)(void**);

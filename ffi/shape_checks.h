@@ -14,6 +14,7 @@
 namespace jax_kda {
 
 constexpr int64_t kMaxDim = INT32_MAX;  // the kernels take int32 sizes
+constexpr size_t kMaxRank = sizeof(DenseTensor::dims) / sizeof(DenseTensor::dims[0]);
 
 inline std::string DimsString(xla::ffi::Span<const int64_t> dims) {
   std::string s = "[";
@@ -36,7 +37,7 @@ std::string CheckOperand(const char* call, const char* name, const B& buffer,
                          std::initializer_list<int64_t> expected, int num_dynamic,
                          DenseTensor* out) {
   auto dims = buffer.dimensions();
-  bool ok = dims.size() == expected.size();
+  bool ok = dims.size() == expected.size() && dims.size() <= kMaxRank;
   size_t i = 0;
   for (int64_t e : expected) {
     if (!ok) break;

@@ -1,8 +1,10 @@
-"""Trace-time checks of kda_prefill's arguments.
+"""Trace-time checks of the public functions' arguments.
 
 Everything that shapes and dtypes can tell is checked here, before anything is traced into XLA, so
-bad input fails with an error naming the argument instead of a crash or silent garbage. The values
-inside cu_seqlens are checked only when they are concrete (not under jit); see `check_cu_seqlens_values`.
+bad input fails with an error naming the argument instead of a crash or silent garbage. Values
+inside cu_seqlens and state_indices are checked only when they are concrete (not under jit); what
+the kernels do with malformed values is documented at `check_cu_seqlens_values` and
+`check_state_index_values`.
 """
 
 from __future__ import annotations
@@ -14,16 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-HEAD_DIM = 128
-CHUNK = 16
-INVERSE_VARIANTS = ("stable", "neumann")
+from .checkpoints import checkpoint_capacity
+from .contract import CHUNK, HEAD_DIM, INVERSE_IDS, MAX_DECODE_TOKENS
+
+INVERSES = tuple(INVERSE_IDS)
 BACKENDS = ("auto", "kernel", "reference")
-BLOCK_V_CHOICES = (16, 32, 64, 128)  # column split: value columns per CTA
-# The recurrence custom call's block_v attribute value that selects the baseline kernel (one CTA per
-# (sequence, head), state in shared memory) instead of a column split (docs/kernel_abi.md).
-BASELINE_BLOCK_V = 0
-RECURRENCE_BLOCK_V_VALUES = (*BLOCK_V_CHOICES, BASELINE_BLOCK_V)  # every valid attribute value
-RECURRENCES = ("column_split", "baseline")  # kda_prefill(recurrence=...)
 STATE_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
@@ -39,132 +36,226 @@ class Problem:
     state_dtype: np.dtype  # dtype of the returned final state
     scale: float
     lower_bound: float
+    pool_rows: int | None = None  # P when the initial state is a pool indexed by state_indices
+    checkpoint_every: int | None = None  # tokens between intermediate states, None = none
+    checkpoint_capacity: int = 0  # rows of the packed checkpoint array (jax_kda.checkpoints)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProblem:
+    """The static description of one kda_decode call."""
+
+    num_seqs: int  # N
+    tokens: int  # t, tokens per sequence (1..16)
+    heads: int  # H
+    pool_rows: int  # P
+    indexed: bool  # state_indices given
+    state_dtype: np.dtype
+    scale: float
+    lower_bound: float
+    intermediate_states: bool
 
 
 def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def _shape_of(name: str, x) -> tuple[int, ...]:
+def _shape_of(fn: str, name: str, x) -> tuple[int, ...]:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"kda_prefill: {name} must be an array, got {type(x).__name__}")
+        raise TypeError(f"{fn}: {name} must be an array, got {type(x).__name__}")
     return tuple(x.shape)
 
 
-def _expect_dtype(name: str, x, allowed) -> None:
+def _expect_dtype(fn: str, name: str, x, allowed) -> None:
     allowed = tuple(np.dtype(a) for a in allowed)
     if np.dtype(x.dtype) not in allowed:
         want = " or ".join(_dtype_name(a) for a in allowed)
-        raise TypeError(f"kda_prefill: {name} must have dtype {want}, got {_dtype_name(x.dtype)}")
+        raise TypeError(f"{fn}: {name} must have dtype {want}, got {_dtype_name(x.dtype)}")
 
 
-def _expect_shape(name: str, x, expected: tuple[int, ...], meaning: str) -> None:
-    got = _shape_of(name, x)
+def _expect_shape(fn: str, name: str, x, expected: tuple[int, ...], meaning: str) -> None:
+    got = _shape_of(fn, name, x)
     if got != expected:
-        raise ValueError(
-            f"kda_prefill: {name} must have shape {meaning} = {expected}, got {got}"
-        )
+        raise ValueError(f"{fn}: {name} must have shape {meaning} = {expected}, got {got}")
 
 
-def _static_float(name: str, value) -> float:
+def _static_float(fn: str, name: str, value) -> float:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
-            f"kda_prefill: {name} must be a static Python number (it is baked into the kernel "
+            f"{fn}: {name} must be a static Python number (it is baked into the kernel "
             "launch), got a traced value; pass it as a static argument"
         )
     if isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0:
         value = value.item()
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise TypeError(f"kda_prefill: {name} must be a real number, got {type(value).__name__}")
+        raise TypeError(f"{fn}: {name} must be a real number, got {type(value).__name__}")
     value = float(value)
     if not np.isfinite(value):
-        raise ValueError(f"kda_prefill: {name} must be finite, got {value}")
+        raise ValueError(f"{fn}: {name} must be finite, got {value}")
     return value
 
 
-def check_options(inverse: str, backend: str, block_v, recurrence: str = "column_split") -> None:
-    if inverse not in INVERSE_VARIANTS:
-        raise ValueError(f"kda_prefill: inverse must be one of {INVERSE_VARIANTS}, got {inverse!r}")
+def _check_scalars(fn: str, scale, lower_bound) -> tuple[float, float]:
+    """(scale, lower_bound), checked: scale > 0 (a q scale; 0 or a negative one would silently
+    zero or flip every output), lower_bound in [-5, 0)."""
+    scale = HEAD_DIM**-0.5 if scale is None else _static_float(fn, "scale", scale)
+    if scale <= 0.0:
+        raise ValueError(f"{fn}: scale must be positive, got {scale}")
+    lower_bound = _static_float(fn, "lower_bound", lower_bound)
+    if not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"{fn}: lower_bound must lie in [-5, 0), got {lower_bound}")
+    return scale, lower_bound
+
+
+def _check_bool(fn: str, name: str, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__}")
+
+
+def check_options(fn: str, inverse: str, backend: str) -> None:
+    if inverse not in INVERSES:
+        raise ValueError(f"{fn}: inverse must be one of {INVERSES}, got {inverse!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"kda_prefill: backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(recurrence, str) or recurrence not in RECURRENCES:
-        raise ValueError(f"kda_prefill: recurrence must be one of {RECURRENCES}, got {recurrence!r}")
-    if block_v is not None and block_v not in BLOCK_V_CHOICES:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _check_head_params(fn: str, A_log, dt_bias, heads: int) -> None:
+    _expect_dtype(fn, "A_log", A_log, (jnp.float32,))
+    _expect_shape(fn, "A_log", A_log, (heads,), "[H]")
+    _expect_dtype(fn, "dt_bias", dt_bias, (jnp.float32,))
+    _expect_shape(fn, "dt_bias", dt_bias, (heads, HEAD_DIM), "[H, 128]")
+
+
+def _check_state_indices(fn: str, state_indices, num_seqs: int, pool_rows: int) -> None:
+    shape = _shape_of(fn, "state_indices", state_indices)
+    _expect_dtype(fn, "state_indices", state_indices, (jnp.int32,))
+    if shape != (num_seqs,):
         raise ValueError(
-            f"kda_prefill: column_split (value columns per CTA) must be None or one of "
-            f"{BLOCK_V_CHOICES}, got {block_v!r}"
+            f"{fn}: state_indices must have shape [N] = ({num_seqs},) (one pool row per "
+            f"sequence), got {shape}"
         )
-    if recurrence == "baseline" and block_v is not None:
-        raise ValueError(
-            f"kda_prefill: column_split={block_v!r} applies to recurrence='column_split' only; "
-            "recurrence='baseline' runs one CTA per (sequence, head): leave column_split=None"
-        )
+    check_state_index_values(fn, state_indices, pool_rows)
 
 
-def recurrence_block_v(recurrence: str, column_split) -> int | None:
-    """The recurrence custom call's block_v for checked options: BASELINE_BLOCK_V for the baseline
-    kernel, else the column split (None = the launch heuristic decides)."""
-    return BASELINE_BLOCK_V if recurrence == "baseline" else column_split
-
-
-def check_inputs(
+def check_prefill(
     q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound, initial_state, output_final_state,
-    cu_seqlens,
+    cu_seqlens, state_indices=None, checkpoint_every=None,
 ) -> Problem:
-    """Validates shapes, dtypes and static options; returns the derived Problem."""
-    q_shape = _shape_of("q", q)
+    """Validates kda_prefill's arrays and static options; returns the derived Problem."""
+    fn = "kda_prefill"
+    q_shape = _shape_of(fn, "q", q)
     if len(q_shape) != 4:
-        raise ValueError(f"kda_prefill: q must have rank 4 [B, T, H, {HEAD_DIM}], got shape {q_shape}")
+        raise ValueError(f"{fn}: q must have rank 4 [B, T, H, {HEAD_DIM}], got shape {q_shape}")
     B, T, H, D = q_shape
     if D != HEAD_DIM:
         raise ValueError(
-            f"kda_prefill: head dim must be {HEAD_DIM} (the last axis of q, k, v, g), got {D}"
+            f"{fn}: head dim must be {HEAD_DIM} (the last axis of q, k, v, g), got {D}"
         )
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _expect_dtype(name, x, (jnp.bfloat16,))
-        _expect_shape(name, x, (B, T, H, HEAD_DIM), "[B, T, H, 128] like q")
-    _expect_dtype("beta", beta, (jnp.bfloat16,))
-    _expect_shape("beta", beta, (B, T, H), "[B, T, H]")
-    _expect_dtype("A_log", A_log, (jnp.float32,))
-    _expect_shape("A_log", A_log, (H,), "[H]")
-    _expect_dtype("dt_bias", dt_bias, (jnp.float32,))
-    _expect_shape("dt_bias", dt_bias, (H, HEAD_DIM), "[H, 128]")
-
-    scale = HEAD_DIM**-0.5 if scale is None else _static_float("scale", scale)
-    lower_bound = _static_float("lower_bound", lower_bound)
-    if not -5.0 <= lower_bound < 0.0:
-        raise ValueError(f"kda_prefill: lower_bound must lie in [-5, 0), got {lower_bound}")
-    if not isinstance(output_final_state, (bool, np.bool_)):
-        raise TypeError(
-            f"kda_prefill: output_final_state must be a bool, got {type(output_final_state).__name__}"
-        )
+        _expect_dtype(fn, name, x, (jnp.bfloat16,))
+        _expect_shape(fn, name, x, (B, T, H, HEAD_DIM), "[B, T, H, 128] like q")
+    _expect_dtype(fn, "beta", beta, (jnp.bfloat16,))
+    _expect_shape(fn, "beta", beta, (B, T, H), "[B, T, H]")
+    _check_head_params(fn, A_log, dt_bias, H)
+    scale, lower_bound = _check_scalars(fn, scale, lower_bound)
+    _check_bool(fn, "output_final_state", output_final_state)
 
     if cu_seqlens is None:
         N, varlen = B, False
     else:
-        cu_shape = _shape_of("cu_seqlens", cu_seqlens)
-        _expect_dtype("cu_seqlens", cu_seqlens, (jnp.int32, jnp.int64))
+        cu_shape = _shape_of(fn, "cu_seqlens", cu_seqlens)
+        _expect_dtype(fn, "cu_seqlens", cu_seqlens, (jnp.int32, jnp.int64))
         if len(cu_shape) != 1 or cu_shape[0] < 2:
             raise ValueError(
-                f"kda_prefill: cu_seqlens must have rank 1 and shape [N+1] with N >= 1, got shape {cu_shape}"
+                f"{fn}: cu_seqlens must have rank 1 and shape [N+1] with N >= 1, got shape "
+                f"{cu_shape}"
             )
         if B != 1:
             raise ValueError(
-                f"kda_prefill: with cu_seqlens the batch size B must be 1 (sequences are packed along "
-                f"T), got B = {B}"
+                f"{fn}: with cu_seqlens the batch size B must be 1 (sequences are packed "
+                f"along T), got B = {B}"
             )
         N, varlen = cu_shape[0] - 1, True
         check_cu_seqlens_values(cu_seqlens, T)
 
     state_dtype = np.dtype(jnp.bfloat16)
-    if initial_state is not None:
-        _expect_dtype("initial_state", initial_state, STATE_DTYPES)
-        _expect_shape(
-            "initial_state", initial_state, (N, H, HEAD_DIM, HEAD_DIM),
-            "[N, H, 128, 128] (N = number of sequences)",
+    pool_rows = None
+    if state_indices is not None and initial_state is None:
+        raise ValueError(
+            f"{fn}: state_indices index the rows of a state pool passed as initial_state "
+            "[P, H, 128, 128]; initial_state is missing"
         )
+    if initial_state is not None:
+        _expect_dtype(fn, "initial_state", initial_state, STATE_DTYPES)
         state_dtype = np.dtype(initial_state.dtype)
-    return Problem(B, T, H, N, varlen, state_dtype, scale, lower_bound)
+        if state_indices is None:
+            _expect_shape(fn, "initial_state", initial_state, (N, H, HEAD_DIM, HEAD_DIM),
+                          "[N, H, 128, 128] (N = number of sequences)")
+        else:
+            shape = _shape_of(fn, "initial_state", initial_state)
+            if len(shape) != 4 or shape[1:] != (H, HEAD_DIM, HEAD_DIM) or shape[0] < 1:
+                raise ValueError(
+                    f"{fn}: with state_indices, initial_state is a pool of shape [P, H, 128, "
+                    f"128] = (P, {H}, 128, 128) with P >= 1, got {shape}"
+                )
+            pool_rows = shape[0]
+            _check_state_indices(fn, state_indices, N, pool_rows)
+    if checkpoint_every is not None:
+        if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Integral)
+                or checkpoint_every <= 0 or checkpoint_every % CHUNK):
+            raise ValueError(
+                f"{fn}: checkpoint_every must be a positive multiple of {CHUNK} (tokens between "
+                f"saved states), got {checkpoint_every!r}"
+            )
+        checkpoint_every = int(checkpoint_every)
+    return Problem(B, T, H, N, varlen, state_dtype, scale, lower_bound, pool_rows,
+                   checkpoint_every, checkpoint_capacity(B, T, varlen, checkpoint_every))
+
+
+def check_decode(
+    q, k, v, g, beta, A_log, dt_bias, *, state, state_indices, scale, lower_bound,
+    output_intermediate_states,
+) -> DecodeProblem:
+    """Validates kda_decode's arrays and static options; returns the derived DecodeProblem."""
+    fn = "kda_decode"
+    q_shape = _shape_of(fn, "q", q)
+    if len(q_shape) != 4:
+        raise ValueError(f"{fn}: q must have rank 4 [N, t, H, {HEAD_DIM}], got shape {q_shape}")
+    N, t, H, D = q_shape
+    if D != HEAD_DIM:
+        raise ValueError(f"{fn}: head dim must be {HEAD_DIM} (the last axis of q), got {D}")
+    if not 1 <= t <= MAX_DECODE_TOKENS:
+        raise ValueError(
+            f"{fn}: t (tokens per sequence, axis 1 of q) must lie in [1, {MAX_DECODE_TOKENS}] "
+            f"(one chunk; use kda_prefill for more), got {t}"
+        )
+    if N < 1:
+        raise ValueError(f"{fn}: N (sequences, axis 0 of q) must be >= 1, got {N}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _expect_dtype(fn, name, x, (jnp.bfloat16,))
+        _expect_shape(fn, name, x, (N, t, H, HEAD_DIM), "[N, t, H, 128] like q")
+    _expect_dtype(fn, "beta", beta, (jnp.bfloat16,))
+    _expect_shape(fn, "beta", beta, (N, t, H), "[N, t, H]")
+    _check_head_params(fn, A_log, dt_bias, H)
+    scale, lower_bound = _check_scalars(fn, scale, lower_bound)
+    _check_bool(fn, "output_intermediate_states", output_intermediate_states)
+
+    if state is None:
+        raise ValueError(f"{fn}: state is required (bf16 or f32 [P, H, 128, 128])")
+    _expect_dtype(fn, "state", state, STATE_DTYPES)
+    shape = _shape_of(fn, "state", state)
+    if state_indices is None:
+        _expect_shape(fn, "state", state, (N, H, HEAD_DIM, HEAD_DIM),
+                      "[N, H, 128, 128] (one state per sequence; pass state_indices for a pool)")
+    elif len(shape) != 4 or shape[1:] != (H, HEAD_DIM, HEAD_DIM) or shape[0] < 1:
+        raise ValueError(
+            f"{fn}: with state_indices, state is a pool of shape [P, H, 128, 128] = (P, {H}, "
+            f"128, 128) with P >= 1, got {shape}"
+        )
+    if state_indices is not None:
+        _check_state_indices(fn, state_indices, N, shape[0])
+    return DecodeProblem(N, t, H, shape[0], state_indices is not None, np.dtype(state.dtype),
+                         scale, lower_bound, bool(output_intermediate_states))
 
 
 def check_cu_seqlens_values(cu_seqlens, total_tokens: int) -> None:
@@ -181,4 +272,27 @@ def check_cu_seqlens_values(cu_seqlens, total_tokens: int) -> None:
         raise ValueError(
             "kda_prefill: cu_seqlens must be non-decreasing, start at 0 and end at T = "
             f"{total_tokens}, got {values.tolist() if values.size <= 16 else values}"
+        )
+
+
+def check_state_index_values(fn: str, state_indices, pool_rows: int) -> None:
+    """Checks state_indices' values when they are known now (outside jit).
+
+    A negative index marks a padding slot (no pool row is read or written; its outputs are zero).
+    Under jit an index >= P cannot be caught: it is treated as padding too, so nothing outside
+    the pool is ever read or written. Two sequences with the same index race for that row.
+    """
+    if isinstance(state_indices, jax.core.Tracer):
+        return
+    values = np.asarray(state_indices)
+    if np.any(values >= pool_rows):
+        raise ValueError(
+            f"{fn}: state_indices must be < P = {pool_rows} (the pool's rows; negative = "
+            f"padding slot), got {values.tolist() if values.size <= 16 else values}"
+        )
+    valid = values[values >= 0]
+    if valid.size != np.unique(valid).size:
+        raise ValueError(
+            f"{fn}: state_indices must not repeat a pool row (each sequence owns its row), got "
+            f"{values.tolist() if values.size <= 16 else values}"
         )

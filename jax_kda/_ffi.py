@@ -19,37 +19,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import (
-    BASELINE_BLOCK_V,
-    BLOCK_V_CHOICES,
-    CHUNK,
-    HEAD_DIM,
-    RECURRENCE_BLOCK_V_VALUES,
-)
-from .kernels.workspace_layout import RECORD_BYTES
+from . import contract
+from ._launch import RecurrenceLaunch
+
+HEAD_DIM = contract.HEAD_DIM
 
 LIBRARY_NAME = "libjax_kda_ffi.so"
 LIBRARY_ENV = "JAX_KDA_FFI_LIBRARY"  # explicit path, overrides the search below
-ABI_VERSION = 1  # must equal jax_kda_ffi_abi_version() in ffi/kda_ffi.cc
-
-PREPARE_TARGET = "jax_kda_prepare_v1"
-RECURRENCE_TARGET = "jax_kda_recurrence_v1"
 # Stage -> exported handler symbol. Modules are loaded per device at instantiate (compile time)
 # and initialize; execute only launches, so it is safe under CUDA-graph capture.
 _HANDLER_SYMBOLS = {
-    PREPARE_TARGET: {
+    contract.PREPARE_TARGET: {
         "instantiate": "JaxKdaPrepareV1Instantiate",
         "initialize": "JaxKdaPrepareV1Initialize",
         "execute": "JaxKdaPrepareV1Execute",
     },
-    RECURRENCE_TARGET: {
+    contract.RECURRENCE_TARGET: {
         "instantiate": "JaxKdaRecurrenceV1Instantiate",
         "initialize": "JaxKdaRecurrenceV1Initialize",
         "execute": "JaxKdaRecurrenceV1Execute",
     },
+    contract.RECURRENCE_POOL_TARGET: {
+        "instantiate": "JaxKdaRecurrencePoolV1Instantiate",
+        "initialize": "JaxKdaRecurrencePoolV1Initialize",
+        "execute": "JaxKdaRecurrencePoolV1Execute",
+    },
+    contract.DECODE_TARGET: {
+        "instantiate": "JaxKdaDecodeV1Instantiate",
+        "initialize": "JaxKdaDecodeV1Initialize",
+        "execute": "JaxKdaDecodeV1Execute",
+    },
 }
-
-INVERSE_IDS = {"stable": 0, "neumann": 1}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -93,8 +93,9 @@ def _load() -> None:
         return
     library.jax_kda_ffi_abi_version.restype = ctypes.c_int
     version = library.jax_kda_ffi_abi_version()
-    if version != ABI_VERSION:
-        _reason = f"{found[0]} implements kernel ABI v{version}, this jax_kda expects v{ABI_VERSION}"
+    if version != contract.ABI_VERSION:
+        _reason = (f"{found[0]} implements kernel ABI v{version}, this jax_kda expects "
+                   f"v{contract.ABI_VERSION}")
         return
     _library, _library_path = library, found[0]
 
@@ -140,15 +141,13 @@ def built_kernels() -> list[str]:
     return names.split(",") if names else []
 
 
-SUPPORTED_COMPUTE_CAPABILITIES = ("9.0", "10.0")  # sm_90a and sm_100a objects in the library
-
-
 def device_supported(device) -> bool:
-    """Whether the library has kernels for this JAX device (H100/H200: 9.0, B200/GB200: 10.0).
-    The 'a' architectures are not forward compatible, so e.g. sm_103 or sm_120 are not."""
+    """Whether the library has kernels for this JAX device (contract.ARCHS). The 'a'
+    architectures are not forward compatible, so e.g. sm_103 or sm_120 are not."""
     return (
         getattr(device, "platform", None) == "gpu"
-        and getattr(device, "compute_capability", None) in SUPPORTED_COMPUTE_CAPABILITIES
+        and getattr(device, "compute_capability", None)
+        in contract.supported_compute_capabilities()
     )
 
 
@@ -167,11 +166,6 @@ def kernel_gpus() -> list:
     return [d for d in visible_gpus() if device_supported(d)]
 
 
-def workspace_slots(total_tokens: int, num_seqs: int) -> int:
-    """Chunk slots of the workspace: ceil(T_total / 16) + N (docs/kernel_abi.md)."""
-    return -(-total_tokens // CHUNK) + num_seqs
-
-
 def _expect(name, x, dtype, shape) -> None:
     if x.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {np.dtype(dtype).name}, got {x.dtype}")
@@ -183,8 +177,8 @@ def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_boun
     """Custom call 1: per-chunk precomputation into the workspace uint8 [H, S, 13824]."""
     if q.ndim != 3:
         raise ValueError(f"q: expected [T_total, H, 128], got shape {tuple(q.shape)}")
-    if inverse not in INVERSE_IDS:
-        raise ValueError(f"inverse: expected one of {sorted(INVERSE_IDS)}, got {inverse!r}")
+    if inverse not in contract.INVERSE_IDS:
+        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
     total, heads = q.shape[0], q.shape[1]
     cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
     if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
@@ -194,25 +188,31 @@ def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_boun
     _expect("beta", beta, jnp.bfloat16, (total, heads))
     _expect("A_log", A_log, jnp.float32, (heads,))
     _expect("dt_bias", dt_bias, jnp.float32, (heads, HEAD_DIM))
-    slots = workspace_slots(total, cu_seqlens.shape[0] - 1)
-    workspace = jax.ShapeDtypeStruct((heads, slots, RECORD_BYTES), jnp.uint8)
-    call = jax.ffi.ffi_call(PREPARE_TARGET, workspace)
+    slots = contract.workspace_slots(total, cu_seqlens.shape[0] - 1)
+    workspace = jax.ShapeDtypeStruct((heads, slots, contract.RECORD_BYTES), jnp.uint8)
+    call = jax.ffi.ffi_call(contract.PREPARE_TARGET, workspace)
     # Attributes must be numpy 32-bit scalars: Python scalars lower as 64-bit and fail to decode.
     return call(q, k, g, beta, A_log, dt_bias, cu_seqlens, scale=np.float32(scale),
-                lower_bound=np.float32(lower_bound), inverse=np.int32(INVERSE_IDS[inverse]))
+                lower_bound=np.float32(lower_bound),
+                inverse=np.int32(contract.INVERSE_IDS[inverse]))
 
 
-def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, block_v, alias_state=True):
+def block_v_attribute(launch: RecurrenceLaunch) -> int:
+    """The recurrence custom call's `block_v` attribute for a resolved launch: the column split,
+    or contract.BASELINE_BLOCK_V for the baseline kernel (docs/kernel_abi.md)."""
+    if not isinstance(launch, RecurrenceLaunch) or not launch.resolved:
+        raise ValueError(f"launch: expected a resolved RecurrenceLaunch, got {launch!r}")
+    return contract.BASELINE_BLOCK_V if launch.kernel == "baseline" else launch.column_split
+
+
+def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: RecurrenceLaunch,
+                    alias_state=True):
     """Custom call 2: the chunk recurrence. Returns (out bf16 [T_total, H, 128],
-    final_state bf16 [N, H, 128, 128]). block_v: value columns per CTA of the column split
-    (16, 32, 64, 128) or BASELINE_BLOCK_V (0) for the baseline kernel; same bits either way.
-    With alias_state the final state is written into state0's buffer (XLA copies first unless
-    the caller donated it)."""
+    final_state bf16 [N, H, 128, 128]); same bits for every launch. With alias_state the final
+    state is written into state0's buffer (XLA copies first unless the caller donated it)."""
     if v.ndim != 3:
         raise ValueError(f"v: expected [T_total, H, 128], got shape {tuple(v.shape)}")
-    if isinstance(block_v, bool) or block_v not in RECURRENCE_BLOCK_V_VALUES:
-        raise ValueError(f"block_v: expected one of {BLOCK_V_CHOICES} (column split) or "
-                         f"{BASELINE_BLOCK_V} (baseline kernel), got {block_v!r}")
+    block_v = block_v_attribute(launch)
     total, heads = v.shape[0], v.shape[1]
     cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
     if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
@@ -221,15 +221,94 @@ def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, block_v, alias_st
     _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
     _expect("beta", beta, jnp.bfloat16, (total, heads))
     _expect("workspace", workspace, jnp.uint8,
-            (heads, workspace_slots(total, num_seqs), RECORD_BYTES))
+            (heads, contract.workspace_slots(total, num_seqs), contract.RECORD_BYTES))
     _expect("initial_state", state0, jnp.bfloat16, (num_seqs, heads, HEAD_DIM, HEAD_DIM))
     results = (
         jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
         jax.ShapeDtypeStruct(state0.shape, jnp.bfloat16),
     )
-    call = jax.ffi.ffi_call(RECURRENCE_TARGET, results,
+    call = jax.ffi.ffi_call(contract.RECURRENCE_TARGET, results,
                             input_output_aliases={4: 1} if alias_state else None)
     return call(v, beta, workspace, cu_seqlens, state0, block_v=np.int32(block_v))
+
+
+def _check_pool(pool, state_indices, num_seqs: int, heads: int) -> None:
+    if pool.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"pool: expected dtype bfloat16 or float32, got {pool.dtype}")
+    if pool.ndim != 4 or tuple(pool.shape[1:]) != (heads, HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"pool: expected [P, {heads}, 128, 128], got shape {tuple(pool.shape)}")
+    _expect("state_indices", state_indices, jnp.int32, (num_seqs,))
+
+
+def recurrence_pool_call(v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool,
+                         checkpoints, *, launch: RecurrenceLaunch, checkpoint_every):
+    """The chunk recurrence on a state pool (docs/kernel_abi.md): sequence n starts from
+    pool[state_indices[n]] and writes its final state there (in place: the pool operand is
+    aliased to the pool result); padding slots (index < 0 or >= P) are neither read nor
+    written and get zero outputs. With checkpoint_every (tokens, a multiple of 16) the states
+    after every that many tokens strictly before each sequence's end go to the rows
+    checkpoint_offsets[n] + j of `checkpoints` (aliased too: rows nothing writes keep their
+    values). Returns (out bf16 [T_total, H, 128], pool, checkpoints)."""
+    if v.ndim != 3:
+        raise ValueError(f"v: expected [T_total, H, 128], got shape {tuple(v.shape)}")
+    if launch.kernel != "column_split":
+        raise ValueError("the pool recurrence runs the column-split kernel only")
+    block_v = block_v_attribute(launch)
+    total, heads = v.shape[0], v.shape[1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
+    _expect("beta", beta, jnp.bfloat16, (total, heads))
+    _expect("workspace", workspace, jnp.uint8,
+            (heads, contract.workspace_slots(total, num_seqs), contract.RECORD_BYTES))
+    _expect("cu_seqlens", cu_seqlens, jnp.int32, (num_seqs + 1,))
+    _expect("checkpoint_offsets", checkpoint_offsets, jnp.int32, (num_seqs + 1,))
+    _check_pool(pool, state_indices, num_seqs, heads)
+    if checkpoints.dtype != pool.dtype or tuple(checkpoints.shape[1:]) != tuple(pool.shape[1:]):
+        raise ValueError(f"checkpoints: expected [C, {heads}, 128, 128] of the pool's dtype, got "
+                         f"{checkpoints.dtype} {tuple(checkpoints.shape)}")
+    chunks = 0 if checkpoint_every is None else checkpoint_every // contract.CHUNK
+    results = (
+        jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
+        jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        jax.ShapeDtypeStruct(checkpoints.shape, checkpoints.dtype),
+    )
+    call = jax.ffi.ffi_call(contract.RECURRENCE_POOL_TARGET, results,
+                            input_output_aliases={6: 1, 7: 2})
+    return call(v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool,
+                checkpoints, block_v=np.int32(block_v), checkpoint_chunks=np.int32(chunks))
+
+
+def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale, lower_bound,
+                inverse, intermediate_states):
+    """The fused decode step (docs/kernel_abi.md): prepare and one chunk for t <= 16 tokens per
+    sequence, sequence n's state read from and written back to pool[state_indices[n]] (in
+    place: aliased). Returns (out bf16 [N, t, H, 128], pool, states [N, t, H, 128, 128] in the
+    pool's dtype: the state after each token; an empty [0, t, H, 128, 128] array unless
+    intermediate_states)."""
+    if q.ndim != 4:
+        raise ValueError(f"q: expected [N, t, H, 128], got shape {tuple(q.shape)}")
+    num_seqs, tokens, heads = q.shape[:3]
+    if not 1 <= tokens <= contract.MAX_DECODE_TOKENS:
+        raise ValueError(f"q: expected 1 <= t <= {contract.MAX_DECODE_TOKENS}, got t = {tokens}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _expect(name, x, jnp.bfloat16, (num_seqs, tokens, heads, HEAD_DIM))
+    _expect("beta", beta, jnp.bfloat16, (num_seqs, tokens, heads))
+    _expect("A_log", A_log, jnp.float32, (heads,))
+    _expect("dt_bias", dt_bias, jnp.float32, (heads, HEAD_DIM))
+    _check_pool(pool, state_indices, num_seqs, heads)
+    if inverse not in contract.INVERSE_IDS:
+        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
+    states = (num_seqs if intermediate_states else 0, tokens, heads, HEAD_DIM, HEAD_DIM)
+    results = (
+        jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+        jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        jax.ShapeDtypeStruct(states, pool.dtype),
+    )
+    call = jax.ffi.ffi_call(contract.DECODE_TARGET, results, input_output_aliases={8: 1})
+    return call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, scale=np.float32(scale),
+                lower_bound=np.float32(lower_bound),
+                inverse=np.int32(contract.INVERSE_IDS[inverse]),
+                intermediate=np.int32(bool(intermediate_states)))
 
 
 _ensure_registered()  # register at import; idempotent

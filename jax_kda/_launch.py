@@ -1,14 +1,23 @@
-"""Launch heuristic for the column-split recurrence: how many value columns each CTA owns."""
+"""The recurrence launch choice: which kernel runs the chunk recurrence, and how it is split.
+
+`RecurrenceLaunch` is the one typed value that travels from kda_prefill's arguments
+(`recurrence=`, `column_split=`) down to the FFI boundary, where `_ffi` encodes it as the custom
+call's integer attribute. `requested` turns the public arguments into it (column_split None = let
+the heuristic decide); `resolve` fixes the column split for a problem's size, once the size the
+kernels see is known (after vmap folding and head sharding).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 
-from ._checks import HEAD_DIM
+from .contract import COLUMN_SPLITS, HEAD_DIM
 
+RECURRENCE_KERNELS = ("column_split", "baseline")
 _DEFAULT_SM_COUNT = 132  # H200; used only when no GPU is visible at trace time
 
 # Measured on the H200 (benchmarks/results/h200-heuristic-grid-20261129.json: recurrence alone,
@@ -20,6 +29,56 @@ _DEFAULT_SM_COUNT = 132  # H200; used only when no GPU is visible at trace time
 # chunk's inputs among 64 columns, and two of its CTAs per SM beat one block_v = 128 CTA: 730 vs
 # 750 us for the same 128 columns).
 _MAX_CTAS_PER_SM_AT_16 = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrenceLaunch:
+    """kernel: "column_split" (each head's 128 value columns over 128 / column_split CTAs, state
+    in registers) or "baseline" (one CTA per (sequence, head), state in shared memory).
+    column_split: value columns per CTA; None until resolved (always None for "baseline")."""
+
+    kernel: str = "column_split"
+    column_split: int | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self.kernel == "baseline" or self.column_split is not None
+
+    @property
+    def name(self) -> str:
+        """How benchmarks and messages spell it: "baseline", "bv16", ..., "auto"."""
+        if self.kernel == "baseline":
+            return "baseline"
+        return "auto" if self.column_split is None else f"bv{self.column_split}"
+
+
+def requested(recurrence: str, column_split) -> RecurrenceLaunch:
+    """The launch kda_prefill's `recurrence=` and `column_split=` ask for (checked)."""
+    if not isinstance(recurrence, str) or recurrence not in RECURRENCE_KERNELS:
+        raise ValueError(
+            f"kda_prefill: recurrence must be one of {RECURRENCE_KERNELS}, got {recurrence!r}"
+        )
+    if column_split is not None and (isinstance(column_split, bool)
+                                     or column_split not in COLUMN_SPLITS):
+        raise ValueError(
+            f"kda_prefill: column_split (value columns per CTA) must be None or one of "
+            f"{COLUMN_SPLITS}, got {column_split!r}"
+        )
+    if recurrence == "baseline" and column_split is not None:
+        raise ValueError(
+            f"kda_prefill: column_split={column_split!r} applies to recurrence='column_split' "
+            "only; recurrence='baseline' runs one CTA per (sequence, head): leave column_split=None"
+        )
+    return RecurrenceLaunch(recurrence, column_split)
+
+
+def resolve(launch: RecurrenceLaunch, *, num_seqs: int, heads: int,
+            sm_count: int | None = None) -> RecurrenceLaunch:
+    """`launch` with its column split fixed by the heuristic where the caller left it open."""
+    if launch.resolved:
+        return launch
+    return dataclasses.replace(
+        launch, column_split=choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sm_count))
 
 
 @functools.cache
@@ -38,7 +97,7 @@ def ctas_per_sm(*, tasks: int, block_v: int, sm_count: int) -> int:
 
 
 def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None) -> int:
-    """The block_v the H200 measurement found fastest (within noise) for N * H tasks:
+    """The column split the H200 measurement found fastest (within noise) for N * H tasks:
 
     - 16 while no SM has to run more than two of its CTAs (N * H <= SMs / 4, 33 tasks on an
       H200): the shortest chain per chunk;

@@ -1,19 +1,28 @@
-"""The public entry point: kda_prefill."""
+"""The public entry points, kda_prefill and kda_decode: their signatures, the argument checks and
+the backend switch. The kernel path lives in jax_kda._kernel_path, the reference path in
+jax_kda._reference_path; both compute the same function (docs/numerics.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
-from . import _batching, _checks, _launch, reference
-from ._manual_axes import vary_like
+from . import (
+    _batching,
+    _checks,
+    _ffi,
+    _kernel_path,
+    _launch,
+    _partitioning,
+    _reference_path,
+)
 
 
 class KdaInferenceOnlyError(NotImplementedError):
-    """Raised when something asks for a derivative of the kernel-backed prefill."""
+    """Raised when something asks for a derivative of the kernel-backed functions."""
 
 
 class KernelsUnavailableError(RuntimeError):
@@ -31,6 +40,8 @@ def kda_prefill(
     backend="auto",
     column_split=None,
     recurrence="column_split",
+    state_indices=None,
+    checkpoint_every=None,
 ):
     """Kimi Delta Attention prefill (chunked delta-rule recurrence), forward only.
 
@@ -38,10 +49,12 @@ def kda_prefill(
       q, k, v, g: bf16 [B, T, H, 128]; g is the raw gate.
       beta: bf16 [B, T, H], logits (sigmoid is applied inside).
       A_log: f32 [H]. dt_bias: f32 [H, 128].
-      scale: output scale, default 128 ** -0.5 (static).
+      scale: output scale > 0, default 128 ** -0.5 (static).
       lower_bound: gate lower bound in [-5, 0) (static).
-      initial_state: None (zeros) or bf16/f32 [N, H, 128, 128], stored V-major: state[n, h, v, k].
-      output_final_state: return the final state (dtype of initial_state, bf16 if none given).
+      initial_state: None (zeros) or bf16/f32 [N, H, 128, 128], stored V-major: state[n, h, v, k];
+        with state_indices, a state pool [P, H, 128, 128].
+      output_final_state: return the final state (dtype of initial_state, bf16 if none given);
+        with state_indices, the updated pool.
       cu_seqlens: None, or int32/int64 [N+1] with B == 1: packed variable-length sequences.
       inverse: "stable" (default) or "neumann" (FlashKDA v1's; NaN/Inf on near-collinear keys).
       backend: "auto" (GPU kernels on CUDA when built, else the reference, decided per platform
@@ -49,90 +62,187 @@ def kda_prefill(
       column_split: None (launch heuristic) or value columns per CTA in {16, 32, 64, 128}.
       recurrence: which recurrence kernel: "column_split" (default; each head's value columns
         split over 128 / column_split CTAs) or "baseline" (one CTA per (sequence, head), state in
-        shared memory; column_split must then be None). Both give bitwise the same results; the
-        reference backend ignores it.
+        shared memory; column_split must then be None; no pools or checkpoints). All give
+        bitwise the same results; the reference backend ignores it.
+      state_indices: None, or int32 [N]: sequence n starts from row state_indices[n] of the pool
+        `initial_state` and its final state is written back to that row (in place when the pool
+        is donated); other rows are untouched. A negative index marks a padding slot: no row is
+        read or written and the sequence's outputs are zero. Values >= P cannot be checked under
+        jit and are treated as padding.
+      checkpoint_every: None, or a positive multiple n of 16: also return each sequence's states
+        after n, 2n, ... tokens strictly before its end (jax_kda.checkpoints says where each is).
 
     Returns:
-      (out bf16 [B, T, H, 128], final_state or None).
+      (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the
+      state's dtype as a third element when checkpoint_every is given.
 
     JAX transformations: jax.jit and jax.export work (see jax_kda.export for the disabled safety
     checks); under jax.vmap the kernel path folds the vmapped axis into B, N or H and still makes
     one pair of kernel calls (jax_kda._batching); derivatives raise KdaInferenceOnlyError except
     with backend="reference". Donating initial_state (jax.jit(..., donate_argnames=
-    "initial_state")) lets the final state reuse its buffer. For head-sharded (tensor-parallel)
-    arrays use jax_kda.kda_prefill_sharded, which runs the kernels on each device's local heads.
+    "initial_state")) lets the final state reuse its buffer. Under jax.jit, inputs sharded over
+    heads are partitioned over heads: each device runs its local heads (jax_kda._partitioning);
+    jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports.
     """
-    _checks.check_options(inverse, backend, column_split, recurrence)
-    problem = _checks.check_inputs(
+    _checks.check_options("kda_prefill", inverse, backend)
+    launch = _launch.requested(recurrence, column_split)
+    problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        state_indices=state_indices, checkpoint_every=checkpoint_every,
     )
-    state_bf16 = None if initial_state is None else initial_state.astype(jnp.bfloat16)
-    cu32 = None if cu_seqlens is None else cu_seqlens.astype(jnp.int32)
-    arrays = (q, k, v, g, beta, A_log, dt_bias, state_bf16, cu32)
-
-    reference_fn = functools.partial(_reference_prefill, problem=problem, inverse=inverse)
-    if backend == "reference":
-        out, final_state = reference_fn(*arrays)
+    if launch.kernel == "baseline" and (state_indices is not None or checkpoint_every is not None):
+        raise ValueError(
+            "kda_prefill: recurrence='baseline' runs plain prefill only; state pools "
+            "(state_indices) and checkpoint_every need recurrence='column_split'"
+        )
+    cu32 = None if cu_seqlens is None else cu_seqlens.astype("int32")
+    arrays = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu32, state_indices)
+    explicit = _partitioning.explicit_head_mesh(q, head_axis=2)
+    if explicit is not None:  # heads sharded in the types: run the local heads under shard_map
+        options = {"scale": problem.scale, "lower_bound": problem.lower_bound,
+                   "inverse": inverse, "backend": backend, "column_split": column_split,
+                   "recurrence": recurrence, "checkpoint_every": checkpoint_every}
+        out, final_state, checkpoints = _partitioning.shard_over_heads(
+            functools.partial(_local_prefill, options=options), _partitioning.PREFILL,
+            (*arrays, None), *explicit)
     else:
-        if backend == "kernel":
-            _require_kernels()
-        # The folding vmap rule turns a vmapped call into one kernel launch (see _batching).
-        kernel_fn = _batching.with_folding_vmap(
-            functools.partial(_kernel_prefill, inverse=inverse,
-                              block_v=_checks.recurrence_block_v(recurrence, column_split)),
-            problem,
-        )
-        out, final_state = _inference_only(
-            _pick_by_platform(kernel_fn, reference_fn, backend), *arrays
-        )
-
-    if not output_final_state:
-        return out, None
-    return out, final_state.astype(problem.state_dtype)
+        run = _prefill_backend(problem, inverse, launch, backend)
+        out, final_state, checkpoints = _call(run, arrays, differentiable=backend == "reference")
+    final_state = final_state.astype(problem.state_dtype) if output_final_state else None
+    if checkpoint_every is None:
+        return out, final_state
+    return out, final_state, checkpoints
 
 
-# Jitted so that eager calls compile once per shape instead of dispatching op by op (seconds per
-# call on CPU); inside an outer jit it is simply inlined.
-@functools.partial(jax.jit, static_argnames=("problem", "inverse"))
-def _reference_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, *, problem, inverse):
-    return reference.kda_prefill_reference(
-        q, k, v, g, beta, A_log, dt_bias, scale=problem.scale, lower_bound=problem.lower_bound,
-        initial_state=state, cu_seqlens=cu, inverse=inverse,
+def kda_decode(
+    q, k, v, g, beta, A_log, dt_bias, *,
+    state,
+    state_indices=None,
+    scale=None,
+    lower_bound=-5.0,
+    inverse="stable",
+    backend="auto",
+    output_intermediate_states=False,
+):
+    """A KDA decode (or speculative-verify) step: t <= 16 new tokens per sequence, from and to
+    a state per sequence or a state pool.
+
+    Bitwise equal to kda_prefill on the same tokens (B = N, T = t) with the same states.
+
+    Args:
+      q, k, v, g: bf16 [N, t, H, 128], 1 <= t <= 16 (static). beta: bf16 [N, t, H] logits.
+      A_log: f32 [H]. dt_bias: f32 [H, 128].
+      state: bf16 or f32 [N, H, 128, 128], or with state_indices a pool [P, H, 128, 128].
+      state_indices: None or int32 [N]: sequence n reads and writes pool row state_indices[n];
+        rows not indexed are untouched; a negative index (or, under jit, one >= P) marks a
+        padding slot: no read, no write, zero outputs.
+      scale, lower_bound, inverse, backend: as kda_prefill.
+      output_intermediate_states: also return the state after each of the t tokens
+        ([N, t, H, 128, 128], the state's dtype; entry i is bitwise kda_prefill's final state
+        on the first i + 1 tokens), for speculative decoding that accepts a prefix.
+
+    Returns:
+      (out bf16 [N, t, H, 128], new state or updated pool), plus the intermediate states as a
+      third element when asked for. The update is in place when the caller donates `state`
+      (jax.jit(..., donate_argnames="state")).
+    """
+    _checks.check_options("kda_decode", inverse, backend)
+    problem = _checks.check_decode(
+        q, k, v, g, beta, A_log, dt_bias, state=state, state_indices=state_indices, scale=scale,
+        lower_bound=lower_bound, output_intermediate_states=output_intermediate_states,
     )
+    arrays = (q, k, v, g, beta, A_log, dt_bias, state, state_indices)
+    explicit = _partitioning.explicit_head_mesh(q, head_axis=2)
+    if explicit is not None:  # heads sharded in the types: run the local heads under shard_map
+        options = {"scale": problem.scale, "lower_bound": problem.lower_bound,
+                   "inverse": inverse, "backend": backend,
+                   "output_intermediate_states": output_intermediate_states}
+        out, new_state, states = _partitioning.shard_over_heads(
+            functools.partial(_local_decode, options=options), _partitioning.DECODE, arrays,
+            *explicit)
+    else:
+        run = _decode_backend(problem, inverse, backend)
+        out, new_state, states = _call(run, arrays, differentiable=backend == "reference")
+    if output_intermediate_states:
+        return out, new_state, states
+    return out, new_state
 
 
-def _kernel_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, *, problem, inverse, block_v):
-    """block_v: the recurrence custom call's attribute (column split, or BASELINE_BLOCK_V for the
-    baseline kernel); None = the launch heuristic picks a column split for this problem."""
-    from . import _ffi
-
-    B, T, H = problem.batch, problem.seqlen, problem.heads
-    tokens = B * T
-
-    def flat(x):  # [B, T, ...] -> [B*T, ...]: the kernels see every call as packed sequences
-        return x.reshape((tokens,) + x.shape[2:])
-
-    if cu is None:
-        cu = jnp.arange(B + 1, dtype=jnp.int32) * T
-    if state is None:
-        state = jnp.zeros((problem.num_seqs, H, 128, 128), jnp.bfloat16)
-    if block_v is None:
-        block_v = _launch.choose_block_v(num_seqs=problem.num_seqs, heads=H)
-    workspace = _ffi.prepare_call(
-        flat(q), flat(k), flat(g), flat(beta), A_log, dt_bias, cu,
-        scale=problem.scale, lower_bound=problem.lower_bound, inverse=inverse,
-    )
-    out, final_state = _ffi.recurrence_call(flat(v), flat(beta), workspace, cu, state, block_v=block_v)
-    return vary_like(out.reshape(q.shape), v), vary_like(final_state, v)
+def _local_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets, *,
+                   options):
+    """kda_prefill on one device's heads (inside shard_map), results in layout order."""
+    out, final_state, *checkpoints = kda_prefill(
+        q, k, v, g, beta, A_log, dt_bias, initial_state=state, cu_seqlens=cu,
+        state_indices=state_indices, output_final_state=True, **options)
+    return out, final_state, (checkpoints[0] if checkpoints else None)
 
 
-def _pick_by_platform(kernel_fn, reference_fn, backend):
-    """backend="kernel": always the kernels; "auto": kernels where lowered for CUDA, else reference."""
+def _local_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, options):
+    """kda_decode on one device's heads (inside shard_map), results in layout order."""
+    out, new_state, *states = kda_decode(q, k, v, g, beta, A_log, dt_bias, state=state,
+                                         state_indices=state_indices, **options)
+    return out, new_state, (states[0] if states else None)
+
+
+def _prefill_backend(problem, inverse, launch, backend):
+    """fn(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices) -> (out, final_state,
+    checkpoints or None) on the chosen backend. The kernel backends fold vmapped axes into one
+    call and partition over heads; the reference is plain JAX (XLA partitions and vmaps it)."""
+    if backend == "reference":
+        return functools.partial(_reference_path.prefill, problem=problem, inverse=inverse)
+    options = _kernel_path.PrefillOptions(inverse, launch)
+
+    def for_problem(*arrays, problem):
+        def call_for_heads(heads):
+            local = dataclasses.replace(problem, heads=heads)
+            kernel_fn = functools.partial(_kernel_path.prefill, problem=local, options=options)
+            reference_fn = _without_offsets(functools.partial(
+                _reference_path.prefill, problem=local, inverse=inverse))
+            return _by_platform(kernel_fn, reference_fn, backend)
+
+        return _partitioning.over_heads(call_for_heads, _partitioning.PREFILL, problem.heads,
+                                        arrays)
+
+    folded = _batching.with_folding_vmap(for_problem, problem)
+    return lambda *arrays: folded(*arrays, None)  # checkpoint offsets: computed from cu
+
+
+def _without_offsets(reference_fn):
+    """The reference prefill called with the kernel path's arguments (it derives checkpoint
+    rows from cu_seqlens itself; only vmap folding passes explicit offsets, see _batching)."""
+    def call(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets):
+        return reference_fn(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices)
+
+    return call
+
+
+def _decode_backend(problem, inverse, backend):
+    """fn(q, k, v, g, beta, A_log, dt_bias, state, state_indices) -> (out, state, states or
+    None) on the chosen backend, folded and partitioned as _prefill_backend."""
+    if backend == "reference":
+        return functools.partial(_reference_path.decode, problem=problem, inverse=inverse)
+
+    def for_problem(*arrays, problem):
+        def call_for_heads(heads):
+            local = dataclasses.replace(problem, heads=heads)
+            kernel_fn = functools.partial(_kernel_path.decode, problem=local, inverse=inverse)
+            reference_fn = functools.partial(_reference_path.decode, problem=local,
+                                             inverse=inverse)
+            return _by_platform(kernel_fn, reference_fn, backend)
+
+        return _partitioning.over_heads(call_for_heads, _partitioning.DECODE, problem.heads,
+                                        arrays)
+
+    return _batching.with_decode_folding_vmap(for_problem, problem)
+
+
+def _by_platform(kernel_fn, reference_fn, backend):
+    """backend="kernel": always the kernels; "auto": kernels where lowered for CUDA (and built
+    for the visible GPUs), else the reference."""
     if backend == "kernel":
+        _require_kernels()
         return kernel_fn
-    from . import _ffi
-
     if not _ffi.kernels_available() or not _kernels_fit_visible_gpus():
         return reference_fn
 
@@ -146,28 +256,27 @@ def _kernels_fit_visible_gpus() -> bool:
     """False when CUDA GPUs are visible but none has kernels built for it (e.g. an A100): "auto"
     then runs the reference there. With no GPU visible (lowering for CUDA on a CPU host, for
     export), the kernels are kept for the CUDA platform."""
-    from . import _ffi
-
     return not _ffi.visible_gpus() or bool(_ffi.kernel_gpus())
 
 
 def _require_kernels() -> None:
-    from . import _ffi
-
     if not _ffi.kernels_available():
         raise KernelsUnavailableError(
-            "kda_prefill(backend='kernel'): the GPU kernels are not available: "
+            "backend='kernel': the GPU kernels are not available: "
             f"{_ffi.unavailable_reason()}. Use backend='auto' or 'reference'."
         )
     if not _ffi.kernel_gpus():
         raise KernelsUnavailableError(
-            "kda_prefill(backend='kernel') needs a CUDA GPU with kernels built for it (sm_90, "
-            f"sm_100) visible to JAX; found {jax.devices()}. Use backend='auto' or 'reference'."
+            "backend='kernel' needs a CUDA GPU with kernels built for it (sm_90, sm_100) "
+            f"visible to JAX; found {jax.devices()}. Use backend='auto' or 'reference'."
         )
 
 
-def _inference_only(fn, *arrays):
-    """Runs fn(*arrays) and makes any derivative of it fail with a clear message."""
+def _call(fn, arrays, *, differentiable: bool):
+    """fn(*arrays); unless differentiable (the reference backend), any derivative of it fails
+    with a clear message."""
+    if differentiable:
+        return fn(*arrays)
     present = [i for i, a in enumerate(arrays) if a is not None]
 
     def call(*given):
@@ -181,9 +290,9 @@ def _inference_only(fn, *arrays):
     @guarded.defjvp
     def _no_derivative(primals, tangents):
         raise KdaInferenceOnlyError(
-            "kda_prefill is inference-only with backend='kernel' or 'auto': the GPU kernels have "
-            "no backward pass. For derivatives call kda_prefill(..., backend='reference'), the "
-            "pure-JAX implementation, which JAX differentiates by autodiff."
+            "jax_kda is inference-only with backend='kernel' or 'auto': the GPU kernels have "
+            "no backward pass. For derivatives call it with backend='reference', the pure-JAX "
+            "implementation, which JAX differentiates by autodiff."
         )
 
     return guarded(*(arrays[i] for i in present))

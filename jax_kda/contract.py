@@ -43,13 +43,19 @@ COLUMN_SPLITS = (16, 32, 64, 128)  # value columns per CTA of the column-split r
 # The recurrence's `block_v` attribute value that selects the baseline kernel (one CTA per
 # (sequence, head), state in shared memory) instead of a column split.
 BASELINE_BLOCK_V = 0
-INVERSE_IDS = {"stable": 0, "neumann": 1}  # the prepare's `inverse` attribute
+INVERSE_IDS = {"stable": 0, "neumann": 1}  # the prepare's and the decode's `inverse` attribute
+STATE_DTYPE_IDS = {"bf16": 0, "f32": 1}  # state pools and checkpoints (chosen by buffer dtype)
+MAX_DECODE_TOKENS = CHUNK  # the decode kernel runs one chunk: up to 16 tokens per sequence
 
 # ---- targets and architectures ------------------------------------------------------------------
-ABI_VERSION = 1  # bumped whenever docs/kernel_abi.md changes incompatibly
+ABI_VERSION = 2  # bumped whenever docs/kernel_abi.md changes incompatibly
 PREPARE_TARGET = "jax_kda_prepare_v1"
 RECURRENCE_TARGET = "jax_kda_recurrence_v1"
-CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET)
+# The recurrence on a state pool (state_indices, bf16 or f32 rows updated in place), with
+# optional checkpoints.
+RECURRENCE_POOL_TARGET = "jax_kda_recurrence_pool_v1"
+DECODE_TARGET = "jax_kda_decode_v1"  # prepare + one chunk for t <= 16 tokens on a state pool
+CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET)
 # CuTe DSL target -> (major, minor) compute capability it runs on. The "a" targets are not
 # forward compatible: sm_90a runs on 9.0 only, sm_100a on 10.0 only.
 ARCHS = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
@@ -92,6 +98,9 @@ def cpp_header() -> str:
         f"constexpr int32_t kColumnSplits[] = {{{splits}}};",
         f"constexpr int32_t kInverseStable = {INVERSE_IDS['stable']};",
         f"constexpr int32_t kInverseNeumann = {INVERSE_IDS['neumann']};",
+        f"constexpr int32_t kStateBf16 = {STATE_DTYPE_IDS['bf16']};",
+        f"constexpr int32_t kStateF32 = {STATE_DTYPE_IDS['f32']};",
+        f"constexpr int64_t kMaxDecodeTokens = {MAX_DECODE_TOKENS};",
         f"constexpr int kSupportedSms[] = {{{sms}}};  // 10 * major + minor",
         "",
         "}  // namespace jax_kda",

@@ -20,8 +20,7 @@ from collections.abc import Callable, Sequence
 
 from jax import export as jax_export
 
-# The custom-call targets kda_prefill can emit (kept equal to _ffi's, which is tested).
-CUSTOM_CALL_TARGETS = ("jax_kda_prepare_v1", "jax_kda_recurrence_v1")
+from .contract import CUSTOM_CALL_TARGETS
 
 
 def disabled_safety_checks() -> list[jax_export.DisabledSafetyCheck]:

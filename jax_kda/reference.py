@@ -56,8 +56,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._checks import CHUNK, HEAD_DIM, INVERSE_VARIANTS
 from ._manual_axes import vary_like
+from .checkpoints import checkpoint_capacity, checkpoint_counts
+from .contract import CHUNK, HEAD_DIM, INVERSE_IDS
+
+INVERSE_VARIANTS = tuple(INVERSE_IDS)
 
 _LOG2E = np.float32(math.log2(math.e))
 _HIGHEST = lax.Precision.HIGHEST
@@ -309,7 +312,8 @@ def prepare_reference(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound, inve
     # Gate (step 2): x = (g + dt_bias) * 2^(A_log log2 e); gate = lower_bound log2(e) * sigmoid(x).
     decay_rate = ex2_ftz(_f32(A_log) * _LOG2E)[..., None, None]
     x = (_f32(g) + _f32(dt_bias)[..., None, :]) * decay_rate
-    gate_scale = np.float32(lower_bound) * _LOG2E
+    # f32(f64(lower_bound) * log2(e)): the kernels form the gate scale in double precision
+    gate_scale = np.float32(np.float64(np.float32(lower_bound)) * np.log2(np.e))
     gate = jnp.where(rows, gate_scale * sigmoid_tanh(x), 0.0)
     gate = lax.optimization_barrier(gate)  # the product is rounded before the running sum
     running = gate[..., 0, :]
@@ -356,15 +360,17 @@ def _chunk_step(state, ws: ChunkWorkspace, v, beta):
     return new_state, out
 
 
-def recurrence_reference(ws: ChunkWorkspace, v, beta, initial_state):
+def recurrence_reference(ws: ChunkWorkspace, v, beta, initial_state, checkpoint_chunks=None):
     """SPEC kernel 2: the chunk recurrence, serial over the chunk axis.
 
     Args:
       ws: ChunkWorkspace with leading axes [..., C] (C chunks, in order).
       v: bf16 [..., C, 16, 128] (zero on rows past the sequence end). beta: bf16 [..., C, 16] logits.
       initial_state: [..., 128, 128] V-major (state[..., v, k]); rounded to bf16 on entry.
+      checkpoint_chunks: None, or n: also return the state after every n chunks.
     Returns:
-      out bf16 [..., C, 16, 128] and the final state bf16 [..., 128, 128].
+      out bf16 [..., C, 16, 128] and the final state bf16 [..., 128, 128]; with checkpoint_chunks
+      also the states after chunks n, 2n, ... (bf16 [..., C // n, 128, 128]).
     """
     chunks_first = ChunkWorkspace(
         kd=jnp.moveaxis(ws.kd, -3, 0), qd=jnp.moveaxis(ws.qd, -3, 0),
@@ -376,8 +382,25 @@ def recurrence_reference(ws: ChunkWorkspace, v, beta, initial_state):
     def step(state, x):
         return _chunk_step(state, *x)
 
-    final_state, outs = lax.scan(step, _store_bf16(initial_state), xs)
-    return jnp.moveaxis(outs, 0, -3), final_state
+    state0 = _store_bf16(initial_state)
+    if checkpoint_chunks is None:
+        final_state, outs = lax.scan(step, state0, xs)
+        return jnp.moveaxis(outs, 0, -3), final_state
+
+    # Groups of n chunks, recording the state after each group, then the chunks left over.
+    n = checkpoint_chunks
+    groups = v.shape[-3] // n
+    head = jax.tree.map(lambda x: x[:groups * n].reshape((groups, n) + x.shape[1:]), xs)
+    tail = jax.tree.map(lambda x: x[groups * n:], xs)
+
+    def group(state, x):
+        state, outs = lax.scan(step, state, x)
+        return state, (outs, state)
+
+    state, (outs, states) = lax.scan(group, state0, head)
+    final_state, tail_outs = lax.scan(step, state, tail)
+    outs = jnp.concatenate([outs.reshape((groups * n,) + outs.shape[2:]), tail_outs])
+    return jnp.moveaxis(outs, 0, -3), final_state, jnp.moveaxis(states, 0, -3)
 
 
 # ----------------------------------------------------------------------------- whole prefill
@@ -389,17 +412,31 @@ def _sequence_major(x):
 
 
 def _prefill_chunked(q, k, v, g, beta, valid, A_log, dt_bias, state0, *, scale, lower_bound,
-                     inverse):
-    """Inputs already chunked as [N, H, C, 16, ...], invalid rows zero; returns (out, final state)."""
+                     inverse, checkpoint_chunks):
+    """Inputs already chunked as [N, H, C, 16, ...], invalid rows zero; returns (out, final
+    state) and, with checkpoint_chunks, the states after every that many chunks."""
     ws = prepare_reference(
         q, k, g, beta, A_log[None, :, None], dt_bias[None, :, None, :],
         scale=scale, lower_bound=lower_bound, inverse=inverse, valid=valid,
     )
-    return recurrence_reference(ws, v, beta, state0)
+    return recurrence_reference(ws, v, beta, state0, checkpoint_chunks)
+
+
+def _pack_checkpoints(states, lengths, checkpoint_every, capacity):
+    """states bf16 [N, H, K, 128, 128] after every checkpoint_every tokens of each sequence ->
+    the packed checkpoint array [capacity, H, 128, 128] (jax_kda.checkpoints), zeros elsewhere."""
+    counts = checkpoint_counts(lengths, checkpoint_every)
+    offsets = jnp.cumsum(counts) - counts
+    j = jnp.arange(states.shape[2])
+    target = jnp.where(j[None] < counts[:, None], offsets[:, None] + j[None], capacity)  # [N, K]
+    rows = jnp.moveaxis(states, 2, 1)  # [N, K, H, 128, 128]
+    packed = jnp.zeros((capacity,) + rows.shape[2:], rows.dtype)
+    return packed.at[target].set(rows, mode="drop")
 
 
 def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound,
-                          initial_state=None, cu_seqlens=None, inverse="stable"):
+                          initial_state=None, cu_seqlens=None, inverse="stable",
+                          checkpoint_every=None):
     """KDA prefill, chunkwise, with the kernels' roundings.
 
     Args:
@@ -410,8 +447,11 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
         may be traced. They are clamped into [0, T]; end < start counts as an empty sequence. Cost is
         O(N * T): every sequence is padded to ceil(T / 16) chunks.
       inverse: "stable" or "neumann".
+      checkpoint_every: None, or a multiple n of 16: also return each sequence's states after
+        n, 2n, ... tokens strictly before its end, packed as jax_kda.checkpoints describes.
     Returns:
-      out bf16 [B, T, H, 128] (tokens covered by no sequence are 0) and final_state bf16 [N, H, 128, 128].
+      out bf16 [B, T, H, 128] (tokens covered by no sequence are 0) and final_state bf16
+      [N, H, 128, 128]; with checkpoint_every also the checkpoints bf16 [capacity, H, 128, 128].
     """
     B, T, H, D = q.shape
     if D != HEAD_DIM:
@@ -421,10 +461,19 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
         state0 = vary_like(_store_bf16(jnp.zeros((N, H, D, D))), v)
     else:
         state0 = _store_bf16(initial_state)
+    if checkpoint_every is None:
+        checkpoint_chunks = capacity = None
+    else:
+        checkpoint_chunks = checkpoint_every // CHUNK
+        capacity = checkpoint_capacity(B, T, cu_seqlens is not None, checkpoint_every)
     num_chunks = -(-T // CHUNK)
     if num_chunks == 0:
-        return jnp.zeros(q.shape, jnp.bfloat16), state0
-    kwargs = {"scale": scale, "lower_bound": lower_bound, "inverse": inverse}
+        out = jnp.zeros(q.shape, jnp.bfloat16)
+        if checkpoint_every is None:
+            return out, state0
+        return out, state0, jnp.zeros((0, H, D, D), jnp.bfloat16)
+    kwargs = {"scale": scale, "lower_bound": lower_bound, "inverse": inverse,
+              "checkpoint_chunks": checkpoint_chunks}
     A_log = _f32(A_log)
     dt_bias = _f32(dt_bias)
 
@@ -437,31 +486,33 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
 
         valid = jnp.broadcast_to((jnp.arange(num_chunks * CHUNK) < T).reshape(num_chunks, CHUNK),
                                  (B, H, num_chunks, CHUNK))
-        out, final_state = _prefill_chunked(
+        out, final_state, *states = _prefill_chunked(
             chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta), valid,
             A_log, dt_bias, state0, **kwargs)
         out = jnp.moveaxis(out, 1, 3).reshape(B, num_chunks * CHUNK, H, D)[:, :T]
+        lengths = jnp.full((B,), T, jnp.int32)
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
+        cu = jnp.clip(cu_seqlens.astype(jnp.int32), 0, T)
+        starts, ends = cu[:-1], cu[1:]
+        lengths = jnp.maximum(ends - starts, 0)
+        offsets = jnp.arange(num_chunks * CHUNK, dtype=jnp.int32).reshape(num_chunks, CHUNK)
+        in_seq = offsets[None] < lengths[:, None, None]  # [N, C, 16]
+        token = jnp.where(in_seq, starts[:, None, None] + offsets[None], 0)
+
+        def gathered(x):  # [1, T, H, ...] -> [N, H, C, 16, ...], rows outside the sequence zero
+            rows = x[0][token]
+            mask = in_seq.reshape(in_seq.shape + (1,) * (rows.ndim - 3))
+            return _sequence_major(jnp.where(mask, rows, jnp.zeros((), x.dtype)))
+
+        valid = jnp.broadcast_to(in_seq[:, None], (N, H, num_chunks, CHUNK))
+        out, final_state, *states = _prefill_chunked(
+            gathered(q), gathered(k), gathered(v), gathered(g), gathered(beta), valid,
+            A_log, dt_bias, state0, **kwargs)
+        out = jnp.moveaxis(out, 1, 3)  # [N, C, 16, H, D]
+        target = jnp.where(in_seq, token, T)  # T is out of range: those rows are dropped
+        out = jnp.zeros((T, H, D), out.dtype).at[target].set(out, mode="drop")[None]
+    if checkpoint_every is None:
         return out, final_state
-
-    if B != 1:
-        raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
-    cu = jnp.clip(cu_seqlens.astype(jnp.int32), 0, T)
-    starts, ends = cu[:-1], cu[1:]
-    lengths = jnp.maximum(ends - starts, 0)
-    offsets = jnp.arange(num_chunks * CHUNK, dtype=jnp.int32).reshape(num_chunks, CHUNK)
-    in_seq = offsets[None] < lengths[:, None, None]  # [N, C, 16]
-    token = jnp.where(in_seq, starts[:, None, None] + offsets[None], 0)
-
-    def gathered(x):  # [1, T, H, ...] -> [N, H, C, 16, ...], rows outside the sequence zero
-        rows = x[0][token]
-        mask = in_seq.reshape(in_seq.shape + (1,) * (rows.ndim - 3))
-        return _sequence_major(jnp.where(mask, rows, jnp.zeros((), x.dtype)))
-
-    valid = jnp.broadcast_to(in_seq[:, None], (N, H, num_chunks, CHUNK))
-    out, final_state = _prefill_chunked(
-        gathered(q), gathered(k), gathered(v), gathered(g), gathered(beta), valid,
-        A_log, dt_bias, state0, **kwargs)
-    out = jnp.moveaxis(out, 1, 3)  # [N, C, 16, H, D]
-    target = jnp.where(in_seq, token, T)  # T is out of range: those rows are dropped
-    flat = jnp.zeros((T, H, D), out.dtype).at[target].set(out, mode="drop")
-    return flat[None], final_state
+    return out, final_state, _pack_checkpoints(states[0], lengths, checkpoint_every, capacity)

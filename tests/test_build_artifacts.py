@@ -27,11 +27,7 @@ pytestmark = pytest.mark.skipif(
     reason="reference-only build (JAX_KDA_BUILD_KERNELS=0): no FFI library to inspect",
 )
 
-HANDLER_SYMBOLS = {
-    f"JaxKda{kernel}V1{stage}"
-    for kernel in ("Prepare", "Recurrence")
-    for stage in ("Instantiate", "Initialize", "Execute")
-}
+HANDLER_SYMBOLS = {symbol for stages in _ffi._HANDLER_SYMBOLS.values() for symbol in stages.values()}
 INFO_SYMBOLS = {"jax_kda_ffi_kernels", "jax_kda_ffi_abi_version"}
 
 
@@ -173,7 +169,7 @@ def test_abi_version_matches_python_side():
     import ctypes
 
     lib = ctypes.CDLL(str(library()))
-    assert lib.jax_kda_ffi_abi_version() == _ffi.ABI_VERSION
+    assert lib.jax_kda_ffi_abi_version() == contract.ABI_VERSION
 
 
 def test_importing_the_package_does_not_need_cutlass():

@@ -46,7 +46,7 @@ def kda_targets(text):
 
 
 def test_targets_match_the_ffi_layer():
-    assert set(jax_kda.export.CUSTOM_CALL_TARGETS) == {_ffi.PREPARE_TARGET, _ffi.RECURRENCE_TARGET}
+    assert set(jax_kda.export.CUSTOM_CALL_TARGETS) == set(_ffi._HANDLER_SYMBOLS)
     checks = jax_kda.disabled_safety_checks()
     assert checks == [jax_export.DisabledSafetyCheck.custom_call(t)
                       for t in jax_kda.export.CUSTOM_CALL_TARGETS]

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kda import _ffi
-from jax_kda._aot import specs
+from jax_kda import _ffi, contract
+from jax_kda._launch import RecurrenceLaunch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,15 +39,18 @@ def _inputs(seed=0, total=T, heads=H, cu=(0, 30, T)):
     return q, k, v, g, beta, a_log, dt_bias, jnp.asarray(cu, jnp.int32), state0
 
 
-def _run(q, k, v, g, beta, a_log, dt_bias, cu, state0, *, block_v=32, inverse="stable"):
+SPLIT_32 = RecurrenceLaunch("column_split", 32)
+
+
+def _run(q, k, v, g, beta, a_log, dt_bias, cu, state0, *, launch=SPLIT_32, inverse="stable"):
     ws = _ffi.prepare_call(q, k, g, beta, a_log, dt_bias, cu, scale=128**-0.5, lower_bound=-5.0,
                            inverse=inverse)
-    return _ffi.recurrence_call(v, beta, ws, cu, state0, block_v=block_v)
+    return _ffi.recurrence_call(v, beta, ws, cu, state0, launch=launch)
 
 
 def test_kernels_run_and_are_deterministic():
     args = _inputs()
-    f = jax.jit(_run, static_argnames=("block_v", "inverse"))
+    f = jax.jit(_run, static_argnames=("launch", "inverse"))
     out1, st1 = f(*args)
     out2, st2 = f(*args)
     assert bool(jnp.isfinite(out1.astype(jnp.float32)).all())
@@ -56,18 +59,15 @@ def test_kernels_run_and_are_deterministic():
     np.testing.assert_array_equal(np.asarray(st1.view(jnp.uint16)), np.asarray(st2.view(jnp.uint16)))
 
 
-# block_v 0 = the baseline kernel, expected wherever the package holds its source.
-BLOCK_V_VALUES = [*_ffi.BLOCK_V_CHOICES, pytest.param(
-    _ffi.BASELINE_BLOCK_V, id="baseline",
-    marks=pytest.mark.skipif(not specs.kernel_source_present("recurrence_baseline"),
-                             reason="jax_kda/kernels/recurrence_baseline.py not in the package"))]
+LAUNCHES = [RecurrenceLaunch("column_split", bv) for bv in contract.COLUMN_SPLITS] + [
+    RecurrenceLaunch("baseline")]
 
 
-@pytest.mark.parametrize("block_v", BLOCK_V_VALUES)
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda launch: launch.name)
 @pytest.mark.parametrize("inverse", ["stable", "neumann"])
-def test_every_specialisation_launches(block_v, inverse):
-    out, state = jax.jit(_run, static_argnames=("block_v", "inverse"))(
-        *_inputs(), block_v=block_v, inverse=inverse)
+def test_every_specialisation_launches(launch, inverse):
+    out, state = jax.jit(_run, static_argnames=("launch", "inverse"))(
+        *_inputs(), launch=launch, inverse=inverse)
     assert out.shape == (T, H, 128) and state.shape == (N, H, 128, 128)
     assert bool(jnp.isfinite(out.astype(jnp.float32)).all())
 
@@ -83,19 +83,19 @@ def test_donated_state_gives_the_same_result():
 def test_handler_shape_errors_reach_python():
     """Bypass the Python wrapper's checks: the C++ handler must refuse a wrong workspace."""
     _, _, v, _, beta, _, _, cu, state0 = _inputs()
-    bad_ws = jnp.zeros((H, 3, _ffi.RECORD_BYTES), jnp.uint8)  # needs ceil(70/16) + 2 = 7 slots
-    call = jax.ffi.ffi_call(_ffi.RECURRENCE_TARGET, (jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                                     jax.ShapeDtypeStruct(state0.shape, state0.dtype)))
+    bad_ws = jnp.zeros((H, 3, contract.RECORD_BYTES), jnp.uint8)  # needs ceil(70/16) + 2 = 7 slots
+    call = jax.ffi.ffi_call(contract.RECURRENCE_TARGET, (jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                                         jax.ShapeDtypeStruct(state0.shape, state0.dtype)))
     with pytest.raises(Exception, match=r"jax_kda: recurrence: operand workspace has shape \[3, 3, 13824\], expected \[3, 7, 13824\]"):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, block_v=np.int32(32)))(v, beta, bad_ws, cu, state0))
 
 
 def test_handler_attribute_errors_reach_python():
     _, _, v, _, beta, _, _, cu, state0 = _inputs()
-    ws = jnp.zeros((H, 7, _ffi.RECORD_BYTES), jnp.uint8)
-    call = jax.ffi.ffi_call(_ffi.RECURRENCE_TARGET, (jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                                     jax.ShapeDtypeStruct(state0.shape, state0.dtype)))
-    with pytest.raises(Exception, match=r"block_v must be 0 \(baseline kernel\) or 16, 32, 64 or 128 \(column split\), got 48"):
+    ws = jnp.zeros((H, 7, contract.RECORD_BYTES), jnp.uint8)
+    call = jax.ffi.ffi_call(contract.RECURRENCE_TARGET, (jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                                         jax.ShapeDtypeStruct(state0.shape, state0.dtype)))
+    with pytest.raises(Exception, match=r"block_v must be 0 \(baseline kernel\) or one of 16, 32, 64, 128 \(column split\), got 48"):
         jax.block_until_ready(jax.jit(lambda *a: call(*a, block_v=np.int32(48)))(v, beta, ws, cu, state0))
 
 

@@ -166,8 +166,8 @@ def prepare(q=(BF16, (T, H, 128)), k=(BF16, (T, H, 128)), g=(BF16, (T, H, 128)),
     ({"st": (BF16, (N, H, 128, 64))}, "operand final_state (result) has shape"),
     ({"v": (BF16, (T, H, 64))}, "expected [T_total, H, 128] for the token operands, got [40, 2, 64]"),
     ({"cu": (S32, (1,))}, "cu_seqlens must be int32 [N+1] with N >= 1"),
-    ({"block_v": i32(48)}, "block_v must be 0 (baseline kernel) or 16, 32, 64 or 128 (column split), got 48"),
-    ({"block_v": i32(7)}, "block_v must be 0 (baseline kernel) or 16, 32, 64 or 128 (column split), got 7"),
+    ({"block_v": i32(48)}, "block_v must be 0 (baseline kernel) or one of 16, 32, 64, 128 (column split), got 48"),
+    ({"block_v": i32(7)}, "block_v must be 0 (baseline kernel) or one of 16, 32, 64, 128 (column split), got 7"),
     ({"block_v": i32(-1)}, "got -1"),
 ])
 def test_recurrence_rejects(change, message):

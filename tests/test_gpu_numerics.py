@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import _ffi, oracle, reference
-from jax_kda._aot import specs
+from jax_kda import _ffi, contract, oracle, reference
 from jax_kda.kernels import workspace_layout
 
 pytestmark = [
@@ -29,12 +28,7 @@ pytestmark = [
     pytest.mark.usefixtures("kernel_gpus"),
 ]
 
-BLOCK_VS = _ffi.BLOCK_V_CHOICES
-# The baseline recurrence kernel lands separately: it is compared wherever the package holds its
-# source (then the library must hold it too, or the call fails).
-BASELINE_IN_PACKAGE = specs.kernel_source_present("recurrence_baseline")
-needs_baseline = pytest.mark.skipif(not BASELINE_IN_PACKAGE,
-                                    reason="jax_kda/kernels/recurrence_baseline.py not in the package")
+BLOCK_VS = contract.COLUMN_SPLITS
 
 
 def kernel_choice(recurrence) -> dict:
@@ -107,7 +101,6 @@ def test_kernel_matches_reference(case, init_dtype, inverse):
     check_against_reference(case, init_dtype, inverse)
 
 
-@needs_baseline
 @pytest.mark.parametrize("inverse", ["stable", "neumann"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["B2T100H3", "varlen"])
 def test_baseline_kernel_matches_reference(case, inverse):
@@ -203,7 +196,7 @@ def test_every_column_split_and_the_baseline_are_bitwise_identical(shape):
               inverse="neumann" if H == 6 else "stable")
     if cu is not None:
         kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
-    kernels = BLOCK_VS + (("baseline",) if BASELINE_IN_PACKAGE else ())
+    kernels = (*BLOCK_VS, "baseline")
     results = {r: jax.jit(lambda a, r=r: jax_kda.kda_prefill(**a, **kernel_choice(r), **kw))(args)
                for r in kernels}
     base_out, base_state = results[128]

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_kda import _ffi
+from jax_kda import _ffi, contract
+from jax_kda._launch import RecurrenceLaunch
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
@@ -30,13 +31,20 @@ def _avals(total, heads, seqs):
     }
 
 
+def _launch(block_v):
+    """The launch whose block_v attribute is `block_v` (contract.BASELINE_BLOCK_V: baseline)."""
+    if block_v == contract.BASELINE_BLOCK_V:
+        return RecurrenceLaunch("baseline")
+    return RecurrenceLaunch("column_split", block_v)
+
+
 def _lower_both(total, heads, seqs, *, inverse="stable", block_v=32, scale=0.125,
                 lower_bound=-5.0, alias_state=True):
     def prefill(q, k, g, v, beta, A_log, dt_bias, cu_seqlens, state0):
         workspace = _ffi.prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, scale=scale,
                                       lower_bound=lower_bound, inverse=inverse)
-        return _ffi.recurrence_call(v, beta, workspace, cu_seqlens, state0, block_v=block_v,
-                                    alias_state=alias_state)
+        return _ffi.recurrence_call(v, beta, workspace, cu_seqlens, state0,
+                                    launch=_launch(block_v), alias_state=alias_state)
 
     a = _avals(total, heads, seqs)
     args = [a[n] for n in ("q", "k", "g", "v", "beta", "A_log", "dt_bias", "cu_seqlens", "state0")]
@@ -116,7 +124,7 @@ def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, column_spli
     """recurrence="baseline" emits the same recurrence custom call with block_v = 0; the default
     ("column_split") emits the column split (the heuristic's or the requested one)."""
     import jax_kda
-    from jax_kda import _checks, _launch, api
+    from jax_kda import _launch, api
 
     monkeypatch.setattr(api, "_require_kernels", lambda: None)  # lowering needs no GPU
     B, T, H = 2, 40, 3
@@ -130,8 +138,8 @@ def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, column_spli
 
     baseline = lower(recurrence="baseline")
     assert set(baseline) == {"jax_kda_prepare_v1", "jax_kda_recurrence_v1"}
-    assert f"block_v = {_checks.BASELINE_BLOCK_V} : i32" in baseline["jax_kda_recurrence_v1"]
-    assert _checks.BASELINE_BLOCK_V == 0
+    assert f"block_v = {contract.BASELINE_BLOCK_V} : i32" in baseline["jax_kda_recurrence_v1"]
+    assert contract.BASELINE_BLOCK_V == 0
     split = lower(recurrence="column_split", column_split=column_split)["jax_kda_recurrence_v1"]
     want = column_split or _launch.choose_block_v(num_seqs=B, heads=H)
     assert f"block_v = {want} : i32" in split
@@ -184,14 +192,14 @@ def test_prepare_wrapper_rejects_bad_operands(change, error, match):
                                a["cu_seqlens"])
 
 
-def test_recurrence_wrapper_rejects_wrong_workspace_and_block_v():
+def test_recurrence_wrapper_rejects_wrong_workspace_and_unresolved_launches():
     a = _avals(40, 2, 2)
     bad_ws = jax.ShapeDtypeStruct((2, 4, 13824), jnp.uint8)  # S must be ceil(40/16) + 2 = 5
     with pytest.raises(ValueError, match="workspace: expected shape"):
-        jax.jit(lambda *x: _ffi.recurrence_call(*x, block_v=32)).trace(
+        jax.jit(lambda *x: _ffi.recurrence_call(*x, launch=_launch(32))).trace(
             a["v"], a["beta"], bad_ws, a["cu_seqlens"], a["state0"])
     good_ws = jax.ShapeDtypeStruct((2, 5, 13824), jnp.uint8)
-    for bad in (48, 7, True, None, "baseline"):
-        with pytest.raises(ValueError, match=r"block_v: expected one of .* or 0 \(baseline kernel\)"):
-            jax.jit(lambda *x, bad=bad: _ffi.recurrence_call(*x, block_v=bad)).trace(
+    for bad in (RecurrenceLaunch("column_split", None), 32, None, "baseline"):
+        with pytest.raises(ValueError, match=r"launch: expected a resolved RecurrenceLaunch"):
+            jax.jit(lambda *x, bad=bad: _ffi.recurrence_call(*x, launch=bad)).trace(
                 a["v"], a["beta"], good_ws, a["cu_seqlens"], a["state0"])

@@ -1,8 +1,8 @@
-"""Head-sharded kda_prefill (tensor parallelism): kda_prefill_sharded and plain jit.
+"""Head-sharded kda_prefill and kda_decode (tensor parallelism): the helpers and plain jit.
 
 The CPU tests need several devices, and XLA's device count is fixed when jax initialises. So
-`test_sharding_on_four_virtual_cpu_devices` re-runs this file in a subprocess with
-XLA_FLAGS=--xla_force_host_platform_device_count=4 and KDA_SHARDING_SUBPROCESS=1; only there do the
+`test_sharding_on_eight_virtual_cpu_devices` re-runs this file in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 and KDA_SHARDING_SUBPROCESS=1; only there do the
 `on_virtual_devices` tests run (they skip in the parent run). Other test files are unaffected.
 """
 
@@ -23,23 +23,23 @@ import jax_kda
 from jax_kda import _launch, api
 
 IN_SUBPROCESS = os.environ.get("KDA_SHARDING_SUBPROCESS") == "1"
-DEVICES = 4
+DEVICES = 8
 on_virtual_devices = pytest.mark.skipif(
-    not IN_SUBPROCESS, reason="runs inside test_sharding_on_four_virtual_cpu_devices' subprocess"
+    not IN_SUBPROCESS, reason="runs inside test_sharding_on_eight_virtual_cpu_devices' subprocess"
 )
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
-B, T, H = 2, 20, 8
+B, T, H = 2, 20, 16
 
 
 @pytest.mark.skipif(IN_SUBPROCESS, reason="this is the parent of the subprocess")
-def test_sharding_on_four_virtual_cpu_devices():
+def test_sharding_on_eight_virtual_cpu_devices():
     env = dict(os.environ, KDA_SHARDING_SUBPROCESS="1", JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={DEVICES}").strip()
     run = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         "-k", "not test_sharding_on_four_virtual_cpu_devices"], env=env, capture_output=True, text=True, timeout=1200, check=False,
+         "-k", "not test_sharding_on_eight_virtual_cpu_devices"], env=env, capture_output=True, text=True, timeout=1200, check=False,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     report = run.stdout[-6000:] + run.stderr[-3000:]
@@ -132,21 +132,24 @@ def test_explicit_mesh_unsharded_inputs_without_initial_state(varlen):
 
 
 @on_virtual_devices
-def test_context_mesh_with_explicit_axes():
+@pytest.mark.parametrize("head_sharded", [True, False])
+def test_context_mesh_with_explicit_axes(head_sharded):
+    """The context mesh takes the same inputs as mesh=: head-sharded or not."""
     mesh = head_mesh(axis_types=(AxisType.Explicit,))
     args = make_args(seed=2)
     with jax.set_mesh(mesh):
-        sharded_args = put_head_sharded(args, mesh)
+        given = put_head_sharded(args, mesh) if head_sharded else args
         fn = jax.jit(partial(jax_kda.kda_prefill_sharded, output_final_state=True))
-        out, state = fn(**sharded_args)
-        hlo = fn.lower(**sharded_args).compile().as_text()
+        out, state = fn(**given)
+        hlo = fn.lower(**given).compile().as_text()
     assert_bitwise((out, state), _unsharded(**args))
-    assert not [c for c in COLLECTIVES if c in hlo]
+    if head_sharded:
+        assert not [c for c in COLLECTIVES if c in hlo]
 
 
 @on_virtual_devices
 def test_two_dimensional_mesh_heads_on_one_axis():
-    mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((2, DEVICES // 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
     args = make_args(seed=3)
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
                          output_final_state=True))
@@ -158,18 +161,110 @@ def test_two_dimensional_mesh_heads_on_one_axis():
 
 
 @on_virtual_devices
-def test_plain_jit_on_head_sharded_inputs_is_correct():
-    """No helper: XLA partitions (reference) or gathers (kernel custom call); either way correct."""
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_plain_jit_on_head_sharded_inputs_partitions_over_heads(backend):
+    """No helper: each device runs its local heads; no collective of any kind in the program."""
     mesh = head_mesh()
     args = make_args(seed=4)
-    out, state = _unsharded(**put_head_sharded(args, mesh))
+    fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend=backend))
+    sharded_args = put_head_sharded(args, mesh)
+    out, state = fn(**sharded_args)
     assert_bitwise((out, state), _unsharded(**args))
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), out.ndim)
+    hlo = fn.lower(**sharded_args).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in hlo]
+
+
+@on_virtual_devices
+@pytest.mark.parametrize("varlen", [False, True])
+def test_plain_jit_explicit_mesh_without_initial_state(varlen):
+    """jax.make_mesh's default (Explicit axes), head-sharded inputs, no initial state: the call
+    runs under shard_map on the local heads (the zero state is made per device)."""
+    mesh = jax.make_mesh((DEVICES,), ("tp",))
+    args = make_args(b=1 if varlen else 2, t=37, seed=8, num_seqs=3 if varlen else None)
+    del args["initial_state"]
+    extra = {"cu_seqlens": jnp.asarray([0, 5, 5, 37], jnp.int32)} if varlen else {}
+    fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True))
+    sharded_args = put_head_sharded(args, mesh)
+    got = fn(**sharded_args, **extra)
+    assert_bitwise(got, _unsharded(**args, **extra))
+    hlo = fn.lower(**sharded_args, **extra).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in hlo]
+
+
+class RecordingCore:
+    """Stands in for the kernel path on CPU: the reference, recording the head counts it sees."""
+
+    def __init__(self):
+        self.heads = []
+
+    def __call__(self, q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets,
+                 *, problem, options):
+        self.heads.append(q.shape[2])
+        return jax_kda._reference_path.prefill(q, k, v, g, beta, A_log, dt_bias, state, cu,
+                                               state_indices, problem=problem, inverse="stable")
+
+
+@on_virtual_devices
+def test_plain_jit_kernel_path_runs_on_local_heads(monkeypatch):
+    """The custom_partitioning rule hands each device H / devices heads (here the kernel path is
+    the reference, so it can run on CPU)."""
+    core = RecordingCore()
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    monkeypatch.setattr(jax_kda._kernel_path, "prefill", core)
+    mesh = head_mesh()
+    args = make_args(seed=6)
+    fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
+    sharded_args = put_head_sharded(args, mesh)
+    got = fn(**sharded_args)
+    assert_bitwise(got, _unsharded(**args))
+    assert H // DEVICES in core.heads and H not in core.heads[-1:], core.heads
+    hlo = fn.lower(**sharded_args).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in hlo]
+
+
+@on_virtual_devices
+def test_pools_checkpoints_and_decode_shard_over_heads():
+    """A head-sharded state pool (prefill with checkpoints, then a decode step) under plain jit
+    and under the helpers: bitwise the unsharded results, no collectives."""
+    mesh = head_mesh()
+    specs = jax_kda.sharding.head_specs("tp")
+    args = make_args(b=1, t=40, seed=9)
+    del args["initial_state"]
+    rng = np.random.default_rng(10)
+    pool = jnp.asarray(rng.standard_normal((5, H, 128, 128)), jnp.float32)
+    cu = jnp.asarray([0, 24, 24, 40], jnp.int32)
+    idx = jnp.asarray([3, -1, 0], jnp.int32)
+    prefill = partial(jax_kda.kda_prefill, cu_seqlens=cu, state_indices=idx,
+                      output_final_state=True, checkpoint_every=16)
+    want = jax.jit(prefill)(**args, initial_state=pool)
+    sharded = put_head_sharded(args, mesh)
+    sharded_pool = jax.device_put(pool, NamedSharding(mesh, specs["initial_state"]))
+    plain = jax.jit(prefill)
+    assert_bitwise(plain(**sharded, initial_state=sharded_pool), want)
+    helper = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, cu_seqlens=cu,
+                             state_indices=idx, output_final_state=True, checkpoint_every=16))
+    assert_bitwise(helper(**sharded, initial_state=sharded_pool), want)
+    for fn, kwargs in ((plain, {}), (helper, {})):
+        hlo = fn.lower(**sharded, initial_state=sharded_pool, **kwargs).compile().as_text()
+        assert not [c for c in COLLECTIVES if c in hlo]
+
+    step = make_args(b=3, t=2, seed=11)
+    del step["initial_state"]
+    decode = partial(jax_kda.kda_decode, state_indices=idx)
+    pool_after = want[1]
+    want = jax.jit(decode)(**step, state=pool_after)
+    step_sharded = put_head_sharded(step, mesh)
+    sharded_pool = jax.device_put(pool_after, NamedSharding(mesh, specs["initial_state"]))
+    assert_bitwise(jax.jit(decode)(**step_sharded, state=sharded_pool), want)
+    helper = jax.jit(partial(jax_kda.kda_decode_sharded, mesh=mesh, state_indices=idx))
+    assert_bitwise(helper(**step_sharded, state=sharded_pool), want)
 
 
 @on_virtual_devices
 def test_errors_name_the_problem():
     mesh = head_mesh()
-    with pytest.raises(ValueError, match=r"H = 6 must be a multiple of the size of mesh axis 'tp' \(4\)"):
+    with pytest.raises(ValueError, match=rf"H = 6 must be a multiple of the size of mesh axis 'tp' \({DEVICES}\)"):
         jax_kda.kda_prefill_sharded(**make_args(h=6), mesh=mesh)
     with pytest.raises(ValueError, match=r"head_axis 'model' is not an axis of the mesh"):
         jax_kda.kda_prefill_sharded(**make_args(), mesh=mesh, head_axis="model")
@@ -199,18 +294,6 @@ def test_cuda_lowering_runs_kernels_on_local_heads(monkeypatch, recurrence):
     assert recurrence_block_v(text) == [want]
     assert not [c for c in ("all_gather", "all_to_all", "collective_permute", "all_reduce")
                 if c in text]
-
-
-@on_virtual_devices
-def test_plain_jit_kernel_path_sees_all_heads(monkeypatch):
-    """Documents the gather: without the helper the custom call is lowered for the global H."""
-    pytest.importorskip("jax_kda._ffi")
-    monkeypatch.setattr(api, "_require_kernels", lambda: None)
-    mesh = head_mesh()
-    args = make_args(seed=6)
-    fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
-    text = fn.trace(**put_head_sharded(args, mesh)).lower(lowering_platforms=("cuda",)).as_text()
-    assert re.search(rf"custom_call @jax_kda_prepare_v1\(.*tensor<{B * T}x{H}x128xbf16>", text)
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import _batching, _checks, _ffi, _launch, api, reference
+from jax_kda import _batching, _checks, _ffi, _kernel_path, _launch, contract, reference
 
 H = 2
 
@@ -37,30 +37,33 @@ def make_batch(n, b, t, h=H, seed=0, state=True):
 
 
 class ReferenceCore:
-    """Stands in for api._kernel_prefill on CPU; records the shapes it is traced with."""
+    """Stands in for _kernel_path.prefill on CPU; records the shapes it is traced with."""
 
     def __init__(self):
         self.q_shapes = []
 
-    def __call__(self, q, k, v, g, beta, A_log, dt_bias, state, cu, *, problem, inverse="stable",
-                 block_v=None):
+    def __call__(self, q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices=None,
+                 ckpt_offsets=None, *, problem, options=None):
         self.q_shapes.append(tuple(q.shape))
         assert A_log.shape == (problem.heads,) and q.shape[2] == problem.heads
         assert q.shape[:2] == (problem.batch, problem.seqlen)
-        return reference.kda_prefill_reference(
+        assert state_indices is None and ckpt_offsets is None
+        out, state = reference.kda_prefill_reference(
             q, k, v, g, beta, A_log, dt_bias, scale=problem.scale, lower_bound=problem.lower_bound,
-            initial_state=state, cu_seqlens=cu, inverse=inverse,
+            initial_state=state, cu_seqlens=cu, inverse="stable",
         )
+        return out, state, None
 
 
 def problem_for(x, cu=None):
-    return _checks.check_inputs(
+    return _checks.check_prefill(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], scale=None,
         lower_bound=-5.0, initial_state=x.get("state"), output_final_state=True, cu_seqlens=cu,
     )
 
 
 ORDER = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state", "cu")
+NO_POOL = (None, None)  # state_indices, ckpt_offsets of the folding wrapper
 DATA = ("q", "k", "v", "g", "beta")
 SCALE = 128**-0.5
 
@@ -88,12 +91,14 @@ def run_vmap_and_loop(batch, mapped, n, cu=None):
     core = ReferenceCore()
     fn = _batching.with_folding_vmap(core, problem_for(element(args, mapped, 0), cu))
     in_axes = tuple(0 if a in mapped and args[a] is not None else None for a in ORDER)
-    result = jax.jit(jax.vmap(fn, in_axes=in_axes))(*(args[a] for a in ORDER))
+    result = jax.jit(jax.vmap(fn, in_axes=in_axes + (None, None)))(*(args[a] for a in ORDER),
+                                                                  *NO_POOL)
     loop = [reference_one(**element(args, mapped, i)) for i in range(n)]
     return result, loop, list(core.q_shapes)
 
 def assert_same_as_loop(result, loop):
-    out, state = result
+    out, state, checkpoints = result
+    assert checkpoints is None
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.stack([np.asarray(o, np.float32) for o, _ in loop]))
     np.testing.assert_array_equal(np.asarray(state, np.float32),
@@ -153,7 +158,8 @@ def vmapped_cu_case(seed, mapped):
     core = ReferenceCore()
     fn = _batching.with_folding_vmap(core, problem_for(element(args, mapped, 0), args["cu"][0]))
     in_axes = tuple(0 if a in mapped else None for a in ORDER)
-    result = jax.jit(jax.vmap(fn, in_axes=in_axes))(*(args[a] for a in ORDER))
+    result = jax.jit(jax.vmap(fn, in_axes=in_axes + (None, None)))(*(args[a] for a in ORDER),
+                                                                  *NO_POOL)
     loop = [reference_one(**element(args, mapped, i)) for i in range(n)]
     assert_same_as_loop(result, loop)
     return n, core.q_shapes
@@ -186,9 +192,9 @@ def test_nested_vmap_folds_both_axes():
     # A_log and dt_bias are passed as arguments, not closed over: XLA would constant-fold the
     # reference's gate math with its evaluator, whose exp2/tanh bits differ from compiled code.
     call = lambda q, k, v, g, beta, state, A_log, dt_bias: fn(
-        q, k, v, g, beta, A_log, dt_bias, state, None)
+        q, k, v, g, beta, A_log, dt_bias, state, None, *NO_POOL)
     in_axes = (0,) * 6 + (None, None)
-    out, state = jax.jit(jax.vmap(jax.vmap(call, in_axes), in_axes))(
+    out, state, _ = jax.jit(jax.vmap(jax.vmap(call, in_axes), in_axes))(
         *(x[a] for a in names), A_log, dt_bias)
     assert (n1 * n2 * B, T, H, 128) in core.q_shapes, core.q_shapes
     for i in range(n1):
@@ -205,8 +211,8 @@ def test_nested_vmap_folds_both_axes():
 def kernel_path_on_cpu(monkeypatch):
     """backend="kernel" on CPU: skip the availability check, run the reference as the 'kernel'."""
     core = ReferenceCore()
-    monkeypatch.setattr(api, "_require_kernels", lambda: None)
-    monkeypatch.setattr(api, "_kernel_prefill", core)
+    monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)
+    monkeypatch.setattr(_kernel_path, "prefill", core)
     return core
 
 
@@ -260,8 +266,7 @@ def custom_call_targets(text):
 
 @pytest.mark.parametrize("recurrence", ["column_split", "baseline"])
 def test_vmapped_kernel_call_lowers_to_one_pair_of_custom_calls(monkeypatch, recurrence):
-    pytest.importorskip("jax_kda._ffi")
-    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)
     n, b, t = 3, 2, 24
     batch = make_batch(n, b, t, seed=10)
     args = [batch[a] for a in ORDER[:8]]
@@ -279,14 +284,13 @@ def test_vmapped_kernel_call_lowers_to_one_pair_of_custom_calls(monkeypatch, rec
     # baseline kernel stays the baseline kernel through the folding.
     block_v = [int(m) for m in re.findall(r"block_v = (\d+) : i32", text)]
     if recurrence == "baseline":
-        assert block_v == [_checks.BASELINE_BLOCK_V]
+        assert block_v == [contract.BASELINE_BLOCK_V]
     else:
         assert block_v == [_launch.choose_block_v(num_seqs=n * b, heads=H)]
 
 
 def test_vmapped_head_parameters_lower_to_one_call_with_more_heads(monkeypatch):
-    pytest.importorskip("jax_kda._ffi")
-    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)
     n, b, t = 2, 1, 16
     batch = make_batch(n, b, t, seed=11)
     args = [batch[a] for a in ORDER[:8]]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .cases import Case
 
 KINDS = ("prepare", "recurrence", "total", "reference")
@@ -33,13 +35,10 @@ def kernels_status() -> tuple[bool, str]:
     """(available, why not) for jax_kda's GPU kernels on this process's default device."""
     import jax
 
-    try:
-        from .. import _ffi
-    except ImportError as err:
-        return False, f"jax_kda._ffi could not be imported ({err})"
+    from .. import _ffi
+
     if not _ffi.kernels_available():
-        reason = getattr(_ffi, "unavailable_reason", lambda: "not built")()
-        return False, f"kernels unavailable: {reason}"
+        return False, f"kernels unavailable: {_ffi.unavailable_reason()}"
     if jax.default_backend() != "gpu":
         return False, f"no CUDA GPU (JAX default backend is {jax.default_backend()})"
     return True, ""
@@ -53,9 +52,20 @@ def _prefill_kwargs(case: Case, x: dict) -> dict:
     return {"cu_seqlens": x["cu_seqlens"]} if case.layout == "varlen" else {}
 
 
-def _flat(a):
-    """[B, T, ...] -> [B*T, ...], the kernels' packed layout (docs/kernel_abi.md)."""
-    return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+def _packed(a):
+    """[B, T, ...] -> [1, B*T, ...]: every case as packed sequences (docs/kernel_abi.md)."""
+    return a.reshape((1, a.shape[0] * a.shape[1]) + a.shape[2:])
+
+
+def _kda_prefill_launch(block_v) -> tuple[str, int | None]:
+    """(recurrence, column_split) of kda_prefill for a variant's block_v (int, AUTO, BASELINE)."""
+    if block_v == BASELINE:
+        return "baseline", None
+    return "column_split", None if block_v == AUTO else block_v
+
+
+def _scalars(opts: dict) -> dict:
+    return {"scale": opts["scale"], "lower_bound": opts["lower_bound"]}
 
 
 def _zero_times(x):
@@ -123,17 +133,18 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
     ok, why = kernels_status()
     if not ok:
         raise VariantUnavailable(why)
-    from .. import _checks, _ffi, _launch
+    from .. import _checks, _kernel_path, _launch
 
-    block_v = variant.block_v
-    if block_v == AUTO:
-        block_v = _launch.choose_block_v(num_seqs=case.num_seqs, heads=case.heads)
-    info = {"block_v_used": block_v}
-    if block_v == BASELINE:  # the custom call's attribute, and kda_prefill's spelling
-        block_v, kernel_choice = _checks.BASELINE_BLOCK_V, {"recurrence": "baseline"}
-    else:
-        kernel_choice = {"column_split": block_v}
+    requested = _launch.requested(*_kda_prefill_launch(variant.block_v))
+    launch = _launch.resolve(requested, num_seqs=case.num_seqs, heads=case.heads)
+    info = {"block_v_used": "baseline" if launch.kernel == "baseline" else launch.column_split}
+    kernel_choice = ({"recurrence": "baseline"} if launch.kernel == "baseline"
+                     else {"column_split": launch.column_split})
     cu = jnp.asarray(case.cu_seqlens(), jnp.int32)  # the packed view of batched inputs too
+    # The packed view as the kernel path sees it: B = 1, T = every token, N sequences.
+    packed = _checks.Problem(batch=1, seqlen=case.tokens, heads=case.heads,
+                             num_seqs=case.num_seqs, varlen=True,
+                             state_dtype=np.dtype(jnp.bfloat16), **_scalars(opts))
 
     if variant.kind == "total":
         def total(q, k, v, g, beta, A_log, dt_bias, state):
@@ -143,8 +154,9 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
         return total, gate_args, _state_feedback, info
 
     def prepare(q, k, g, beta, A_log, dt_bias, cu):
-        return _ffi.prepare_call(_flat(q), _flat(k), _flat(g), _flat(beta), A_log, dt_bias, cu,
-                                 **opts)
+        return _kernel_path.prepare_workspace(_packed(q), _packed(k), _packed(g), _packed(beta),
+                                              A_log, dt_bias, cu, problem=packed,
+                                              inverse=inverse)
 
     prepare_args = (x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], cu)
     if variant.kind == "prepare":
@@ -154,8 +166,8 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
         workspace = compute_workspace(prepare, prepare_args)
 
         def recurrence(v, beta, workspace, cu, state):
-            return _ffi.recurrence_call(_flat(v), _flat(beta), workspace, cu, state,
-                                        block_v=block_v)
+            return _kernel_path.plain_recurrence(_packed(v), _packed(beta), workspace, cu, state,
+                                                 problem=packed, launch=launch)
         return recurrence, (x["v"], x["beta"], workspace, cu, x["state"]), _recurrence_feedback, info
 
     raise ValueError(f"unknown variant kind {variant.kind!r}")

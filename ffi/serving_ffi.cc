@@ -1,0 +1,344 @@
+// XLA FFI handlers for the serving custom calls (docs/kernel_abi.md):
+//   jax_kda_recurrence_pool_v1  v, beta, workspace, cu_seqlens, state_indices,
+//                               checkpoint_offsets, pool, checkpoints -> out, pool, checkpoints
+//                               (pool and checkpoints aliased: updated in place)
+//   jax_kda_decode_v1           q, k, v, g, beta, A_log, dt_bias, state_indices, pool
+//                               -> out, pool (aliased), states
+// Pools and checkpoints are bf16 or f32: the buffer's dtype picks the specialisation. Stages as
+// in kda_ffi.cc; the instantiate stage sees no buffers, so it loads both dtypes' modules.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "handler_common.h"
+
+namespace jax_kda {
+namespace {
+
+std::string StateDtype(const char* call, const char* name, ffi::DataType type, int* id) {
+  if (type == ffi::DataType::BF16) {
+    *id = kStateBf16;
+  } else if (type == ffi::DataType::F32) {
+    *id = kStateF32;
+  } else {
+    return std::string(call) + ": operand " + name + " must be bf16 or f32";
+  }
+  return {};
+}
+
+// The pool (and checkpoint) results alias their operands: the kernels write through one pointer.
+std::string CheckAliased(const char* call, const char* name, const ffi::AnyBuffer& operand,
+                         const ffi::AnyBuffer& result) {
+  if (operand.untyped_data() != result.untyped_data()) {
+    return std::string(call) + ": result " + name +
+           " must alias its operand (input_output_aliases)";
+  }
+  return {};
+}
+
+std::string DtypeText(int id) { return id == kStateF32 ? "f32" : "bf16"; }
+
+// ---------------------------------------------------------------------------------------------
+// recurrence on a state pool
+
+std::string PoolText(int variant) {
+  return "block_v=" + std::to_string(variant / 2) + ", " + DtypeText(variant % 2) + " pool";
+}
+
+std::string CheckPoolAttrs(int32_t block_v, int32_t checkpoint_chunks) {
+  bool split = false;
+  for (int32_t s : kColumnSplits) split = split || s == block_v;
+  if (!split) return "recurrence_pool: attribute block_v must be a column split, got " +
+                     std::to_string(block_v);
+  if (checkpoint_chunks < 0) return "recurrence_pool: attribute checkpoint_chunks must be >= 0";
+  return {};
+}
+
+ffi::Error RecurrencePoolInstantiate(int32_t block_v, int32_t checkpoint_chunks) {
+  JAX_KDA_RETURN_IF(CheckPoolAttrs(block_v, checkpoint_chunks));
+  std::string e = LoadOnActiveDevices(
+      RecurrencePoolSpecs(), {PoolVariant(block_v, kStateBf16), PoolVariant(block_v, kStateF32)});
+  if (!e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+ffi::Error RecurrencePoolRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
+                             ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::U8> workspace,
+                             ffi::Buffer<ffi::S32> cu_seqlens,
+                             ffi::Buffer<ffi::S32> state_indices,
+                             ffi::Buffer<ffi::S32> checkpoint_offsets, ffi::AnyBuffer pool,
+                             ffi::AnyBuffer checkpoints, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                             ffi::Result<ffi::AnyBuffer> pool_out,
+                             ffi::Result<ffi::AnyBuffer> checkpoints_out, int32_t block_v,
+                             int32_t checkpoint_chunks) {
+  const char* call = "recurrence_pool";
+  JAX_KDA_RETURN_IF(CheckPoolAttrs(block_v, checkpoint_chunks));
+  int dtype = 0, ckpt_dtype = 0;
+  JAX_KDA_RETURN_IF(StateDtype(call, "pool", pool.element_type(), &dtype));
+  JAX_KDA_RETURN_IF(StateDtype(call, "checkpoints", checkpoints.element_type(), &ckpt_dtype));
+  if (ckpt_dtype != dtype) return Internal("recurrence_pool: checkpoints and pool differ in dtype");
+  const int variant = PoolVariant(block_v, dtype);
+  const KernelSpec<RecurrencePoolArgs>* spec = nullptr;
+  if (!execute) {
+    std::string e = Resolve(RecurrencePoolSpecs(), "recurrence_pool", PoolText, variant, stream,
+                            /*in_execute=*/false, &spec);
+    return e.empty() ? ffi::Error::Success() : Internal(e);
+  }
+
+  int64_t t = 0, h = 0, n = 0;
+  JAX_KDA_RETURN_IF(CheckProblem(call, v.dimensions(), cu_seqlens.dimensions(), &t, &h, &n));
+  const int64_t s = NumSlots(t, n);
+  if (pool.dimensions().size() != 4 || checkpoints.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("jax_kda: recurrence_pool: pool and checkpoints are 4-D");
+  }
+  const int64_t p = pool.dimensions()[0], c = checkpoints.dimensions()[0];
+  RecurrencePoolArgs a;
+  JAX_KDA_RETURN_IF(CheckOperand(call, "v", v, {t, h, kHeadDim}, 2, &a.v));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "beta", beta, {t, h}, 2, &a.beta));
+  JAX_KDA_RETURN_IF(
+      CheckOperand(call, "workspace", workspace, {h, s, kRecordBytes}, 2, &a.workspace));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "cu_seqlens", cu_seqlens, {n + 1}, 1, &a.cu_seqlens));
+  JAX_KDA_RETURN_IF(
+      CheckOperand(call, "state_indices", state_indices, {n}, 1, &a.state_indices));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "checkpoint_offsets", checkpoint_offsets, {n + 1}, 1,
+                                 &a.checkpoint_offsets));
+  DenseTensor unused;
+  JAX_KDA_RETURN_IF(CheckOperand(call, "pool", pool, {p, h, kHeadDim, kHeadDim}, 2, &unused));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "pool (result)", *pool_out, {p, h, kHeadDim, kHeadDim},
+                                 2, &a.pool));
+  JAX_KDA_RETURN_IF(CheckAliased(call, "pool", pool, *pool_out));
+  JAX_KDA_RETURN_IF(
+      CheckOperand(call, "checkpoints", checkpoints, {c, h, kHeadDim, kHeadDim}, 2, &unused));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "checkpoints (result)", *checkpoints_out,
+                                 {c, h, kHeadDim, kHeadDim}, 2, &a.checkpoints));
+  JAX_KDA_RETURN_IF(CheckAliased(call, "checkpoints", checkpoints, *checkpoints_out));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "out (result)", *out, {t, h, kHeadDim}, 2, &a.out));
+  if (h == 0) return ffi::Error::Success();  // empty grid: nothing to write
+  a.checkpoint_chunks = checkpoint_chunks;
+  a.stream = stream;
+  std::string e = Resolve(RecurrencePoolSpecs(), "recurrence_pool", PoolText, variant, stream,
+                          /*in_execute=*/true, &spec);
+  if (e.empty()) e = spec->launch(a);
+  if (!e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+ffi::Error RecurrencePoolInitialize(cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
+                                    ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::U8> workspace,
+                                    ffi::Buffer<ffi::S32> cu, ffi::Buffer<ffi::S32> indices,
+                                    ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer pool,
+                                    ffi::AnyBuffer checkpoints,
+                                    ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                    ffi::Result<ffi::AnyBuffer> pool_out,
+                                    ffi::Result<ffi::AnyBuffer> checkpoints_out, int32_t block_v,
+                                    int32_t checkpoint_chunks) {
+  return RecurrencePoolRun(false, stream, v, beta, workspace, cu, indices, offsets, pool,
+                           checkpoints, out, pool_out, checkpoints_out, block_v,
+                           checkpoint_chunks);
+}
+
+ffi::Error RecurrencePoolExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
+                                 ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::U8> workspace,
+                                 ffi::Buffer<ffi::S32> cu, ffi::Buffer<ffi::S32> indices,
+                                 ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer pool,
+                                 ffi::AnyBuffer checkpoints,
+                                 ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                 ffi::Result<ffi::AnyBuffer> pool_out,
+                                 ffi::Result<ffi::AnyBuffer> checkpoints_out, int32_t block_v,
+                                 int32_t checkpoint_chunks) {
+  return RecurrencePoolRun(true, stream, v, beta, workspace, cu, indices, offsets, pool,
+                           checkpoints, out, pool_out, checkpoints_out, block_v,
+                           checkpoint_chunks);
+}
+
+template <ffi::ExecutionStage stage>
+auto RecurrencePoolBinding() {
+  return ffi::Ffi::Bind<stage>()
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // v
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // beta
+      .template Arg<ffi::Buffer<ffi::U8>>()    // workspace
+      .template Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens
+      .template Arg<ffi::Buffer<ffi::S32>>()   // state_indices
+      .template Arg<ffi::Buffer<ffi::S32>>()   // checkpoint_offsets
+      .template Arg<ffi::AnyBuffer>()          // pool
+      .template Arg<ffi::AnyBuffer>()          // checkpoints
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // out
+      .template Ret<ffi::AnyBuffer>()          // pool (aliased)
+      .template Ret<ffi::AnyBuffer>()          // checkpoints (aliased)
+      .template Attr<int32_t>("block_v")
+      .template Attr<int32_t>("checkpoint_chunks");
+}
+
+auto RecurrencePoolInstantiateBinding() {
+  return ffi::Ffi::BindInstantiate().Attr<int32_t>("block_v").Attr<int32_t>("checkpoint_chunks");
+}
+
+// ---------------------------------------------------------------------------------------------
+// decode
+
+std::string DecodeText(int variant) {
+  return InverseText(variant / 4) + ", " + DtypeText((variant / 2) % 2) + " pool" +
+         (variant % 2 ? ", intermediate states" : "");
+}
+
+std::string CheckDecodeAttrs(float scale, float lower_bound, int32_t inverse,
+                             int32_t intermediate) {
+  if (std::string e = CheckGateAttrs("decode", scale, lower_bound, inverse); !e.empty()) return e;
+  if (intermediate != 0 && intermediate != 1) {
+    return "decode: attribute intermediate must be 0 or 1";
+  }
+  return {};
+}
+
+ffi::Error DecodeInstantiate(float scale, float lower_bound, int32_t inverse,
+                             int32_t intermediate) {
+  JAX_KDA_RETURN_IF(CheckDecodeAttrs(scale, lower_bound, inverse, intermediate));
+  std::string e = LoadOnActiveDevices(DecodeSpecs(),
+                                      {DecodeVariant(inverse, kStateBf16, intermediate),
+                                       DecodeVariant(inverse, kStateF32, intermediate)});
+  if (!e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q,
+                     ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> g,
+                     ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::F32> a_log,
+                     ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::S32> state_indices,
+                     ffi::AnyBuffer pool, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                     ffi::Result<ffi::AnyBuffer> pool_out, ffi::Result<ffi::AnyBuffer> states,
+                     float scale, float lower_bound, int32_t inverse, int32_t intermediate) {
+  const char* call = "decode";
+  JAX_KDA_RETURN_IF(CheckDecodeAttrs(scale, lower_bound, inverse, intermediate));
+  int dtype = 0, states_dtype = 0;
+  JAX_KDA_RETURN_IF(StateDtype(call, "pool", pool.element_type(), &dtype));
+  JAX_KDA_RETURN_IF(StateDtype(call, "states (result)", states->element_type(), &states_dtype));
+  if (states_dtype != dtype) return Internal("decode: states and pool differ in dtype");
+  const int variant = DecodeVariant(inverse, dtype, intermediate);
+  const KernelSpec<DecodeArgs>* spec = nullptr;
+  if (!execute) {
+    std::string e = Resolve(DecodeSpecs(), "decode", DecodeText, variant, stream,
+                            /*in_execute=*/false, &spec);
+    return e.empty() ? ffi::Error::Success() : Internal(e);
+  }
+
+  auto q_dims = q.dimensions();
+  if (q_dims.size() != 4 || q_dims[3] != kHeadDim) {
+    return ffi::Error::InvalidArgument("jax_kda: decode: q must be [N, t, H, 128], got " +
+                                       DimsString(q_dims));
+  }
+  const int64_t n = q_dims[0], t = q_dims[1], h = q_dims[2];
+  if (t < 1 || t > kMaxDecodeTokens) {
+    return ffi::Error::InvalidArgument("jax_kda: decode: t must lie in [1, " +
+                                       std::to_string(kMaxDecodeTokens) + "], got " +
+                                       std::to_string(t));
+  }
+  if (pool.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("jax_kda: decode: pool must be [P, H, 128, 128]");
+  }
+  const int64_t p = pool.dimensions()[0];
+  DecodeArgs a;
+  JAX_KDA_RETURN_IF(CheckOperand(call, "q", q, {n, t, h, kHeadDim}, 3, &a.q));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "k", k, {n, t, h, kHeadDim}, 3, &a.k));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "v", v, {n, t, h, kHeadDim}, 3, &a.v));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "g", g, {n, t, h, kHeadDim}, 3, &a.g));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "beta", beta, {n, t, h}, 3, &a.beta));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "A_log", a_log, {h}, 1, &a.a_log));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "dt_bias", dt_bias, {h, kHeadDim}, 1, &a.dt_bias));
+  JAX_KDA_RETURN_IF(
+      CheckOperand(call, "state_indices", state_indices, {n}, 1, &a.state_indices));
+  DenseTensor unused;
+  JAX_KDA_RETURN_IF(CheckOperand(call, "pool", pool, {p, h, kHeadDim, kHeadDim}, 2, &unused));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "pool (result)", *pool_out, {p, h, kHeadDim, kHeadDim},
+                                 2, &a.pool));
+  JAX_KDA_RETURN_IF(CheckAliased(call, "pool", pool, *pool_out));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "out (result)", *out, {n, t, h, kHeadDim}, 3, &a.out));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "states (result)", *states,
+                                 {intermediate ? n : 0, t, h, kHeadDim, kHeadDim}, 3, &a.states));
+  if (h == 0 || n == 0) return ffi::Error::Success();  // empty grid: nothing to write
+  a.scale = scale;
+  a.lower_bound = lower_bound;
+  a.stream = stream;
+  std::string e = Resolve(DecodeSpecs(), "decode", DecodeText, variant, stream,
+                          /*in_execute=*/true, &spec);
+  if (e.empty()) e = spec->launch(a);
+  if (!e.empty()) return Internal(e);
+  return ffi::Error::Success();
+}
+
+#define JAX_KDA_DECODE_PARAMS                                                             \
+  cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,                \
+      ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> g, ffi::Buffer<ffi::BF16> beta,    \
+      ffi::Buffer<ffi::F32> a_log, ffi::Buffer<ffi::F32> dt_bias,                         \
+      ffi::Buffer<ffi::S32> state_indices, ffi::AnyBuffer pool,                           \
+      ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::AnyBuffer> pool_out,      \
+      ffi::Result<ffi::AnyBuffer> states, float scale, float lower_bound, int32_t inverse, \
+      int32_t intermediate
+#define JAX_KDA_DECODE_ARGS                                                             \
+  stream, q, k, v, g, beta, a_log, dt_bias, state_indices, pool, out, pool_out, states, \
+      scale, lower_bound, inverse, intermediate
+
+ffi::Error DecodeInitialize(JAX_KDA_DECODE_PARAMS) {
+  return DecodeRun(false, JAX_KDA_DECODE_ARGS);
+}
+ffi::Error DecodeExecute(JAX_KDA_DECODE_PARAMS) { return DecodeRun(true, JAX_KDA_DECODE_ARGS); }
+
+template <ffi::ExecutionStage stage>
+auto DecodeBinding() {
+  return ffi::Ffi::Bind<stage>()
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // q
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // k
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // v
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // g
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // beta
+      .template Arg<ffi::Buffer<ffi::F32>>()   // A_log
+      .template Arg<ffi::Buffer<ffi::F32>>()   // dt_bias
+      .template Arg<ffi::Buffer<ffi::S32>>()   // state_indices
+      .template Arg<ffi::AnyBuffer>()          // pool
+      .template Ret<ffi::Buffer<ffi::BF16>>()  // out
+      .template Ret<ffi::AnyBuffer>()          // pool (aliased)
+      .template Ret<ffi::AnyBuffer>()          // states
+      .template Attr<float>("scale")
+      .template Attr<float>("lower_bound")
+      .template Attr<int32_t>("inverse")
+      .template Attr<int32_t>("intermediate");
+}
+
+auto DecodeInstantiateBinding() {
+  return ffi::Ffi::BindInstantiate()
+      .Attr<float>("scale")
+      .Attr<float>("lower_bound")
+      .Attr<int32_t>("inverse")
+      .Attr<int32_t>("intermediate");
+}
+
+}  // namespace
+}  // namespace jax_kda
+
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrencePoolV1Instantiate(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrencePoolV1Initialize(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrencePoolV1Execute(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaDecodeV1Instantiate(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaDecodeV1Initialize(XLA_FFI_CallFrame*);
+JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaDecodeV1Execute(XLA_FFI_CallFrame*);
+
+using xla::ffi::ExecutionStage;
+using xla::ffi::Traits;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrencePoolV1Instantiate,
+                              jax_kda::RecurrencePoolInstantiate,
+                              jax_kda::RecurrencePoolInstantiateBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrencePoolV1Initialize, jax_kda::RecurrencePoolInitialize,
+                              jax_kda::RecurrencePoolBinding<ExecutionStage::kInitialize>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrencePoolV1Execute, jax_kda::RecurrencePoolExecute,
+                              jax_kda::RecurrencePoolBinding<ExecutionStage::kExecute>(),
+                              {Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaDecodeV1Instantiate, jax_kda::DecodeInstantiate,
+                              jax_kda::DecodeInstantiateBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaDecodeV1Initialize, jax_kda::DecodeInitialize,
+                              jax_kda::DecodeBinding<ExecutionStage::kInitialize>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaDecodeV1Execute, jax_kda::DecodeExecute,
+                              jax_kda::DecodeBinding<ExecutionStage::kExecute>(),
+                              {Traits::kCmdBufferCompatible});

@@ -1,0 +1,106 @@
+"""The GPU kernel path of kda_prefill and kda_decode: the kernels' flat layout, the defaults the
+custom calls need (cu_seqlens for batched input, a zero state, identity pool indices), the launch
+choice resolved for the size the kernels see, and the custom calls themselves (jax_kda._ffi).
+
+`prefill` and `decode` take arrays of exactly their problem's shapes; jax_kda.api wraps them in
+the vmap folding (jax_kda._batching) and the head partitioning (jax_kda._partitioning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from . import _ffi, _launch, _state_pool
+from ._checks import DecodeProblem, Problem
+from ._launch import RecurrenceLaunch
+from ._manual_axes import vary_like
+from .checkpoints import checkpoint_offsets
+from .contract import HEAD_DIM
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOptions:
+    inverse: str
+    launch: RecurrenceLaunch
+
+
+def prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, *, problem: Problem, inverse: str):
+    """The prepare kernel on [B, T, ...] inputs: the workspace [H, slots, 13824]."""
+    return _ffi.prepare_call(
+        _flat(q), _flat(k), _flat(g), _flat(beta), A_log, dt_bias, cu,
+        scale=problem.scale, lower_bound=problem.lower_bound, inverse=inverse,
+    )
+
+
+def plain_recurrence(v, beta, workspace, cu, state, *, problem: Problem,
+                     launch: RecurrenceLaunch):
+    """The recurrence kernel of plain prefill (no pool, no checkpoints): it takes and returns a
+    bf16 state; an f32 one is rounded on entry and the result widened, which is what the
+    numerics do anyway. Returns (out [B, T, H, 128], final state in problem.state_dtype)."""
+    N, H = problem.num_seqs, problem.heads
+    state = (jnp.zeros((N, H, HEAD_DIM, HEAD_DIM), jnp.bfloat16) if state is None
+             else state.astype(jnp.bfloat16))
+    out, final = _ffi.recurrence_call(_flat(v), _flat(beta), workspace, cu, state,
+                                      launch=_launch.resolve(launch, num_seqs=N, heads=H))
+    return out.reshape(v.shape), final.astype(problem.state_dtype)
+
+
+def _flat(x):
+    """[B, T, ...] -> [B*T, ...]: the kernels see every call as packed sequences."""
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets, *,
+            problem: Problem, options: PrefillOptions):
+    """(out [B, T, H, 128], final state, checkpoints or None) from the kernels, for arrays of
+    exactly `problem`'s shapes (vmap folding and head partitioning happen around this).
+
+    state: None (zeros), the per-sequence initial state [N, H, 128, 128], or with state_indices a
+    pool [P, H, 128, 128] (the result is then the updated pool); bf16 or f32. cu: None (batched)
+    or int32 [N+1]. ckpt_offsets: None (computed from cu) or int32 [N+1]."""
+    B, T, H, N = problem.batch, problem.seqlen, problem.heads, problem.num_seqs
+    if cu is None:
+        cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    cu = cu.astype(jnp.int32)
+    launch = _launch.resolve(options.launch, num_seqs=N, heads=H)
+    workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem,
+                                  inverse=options.inverse)
+    if problem.pool_rows is None and problem.checkpoint_every is None:
+        out, final = plain_recurrence(v, beta, workspace, cu, state, problem=problem,
+                                      launch=launch)
+        return vary_like(out, v), vary_like(final, v), None
+
+    pool = state
+    if pool is None:
+        pool = jnp.zeros((N, H, HEAD_DIM, HEAD_DIM), problem.state_dtype)
+    if state_indices is None:
+        state_indices = _state_pool.identity_indices(N)
+    if problem.checkpoint_every is None:
+        ckpt_offsets = jnp.zeros((N + 1,), jnp.int32)
+    elif ckpt_offsets is None:
+        ckpt_offsets = checkpoint_offsets(cu, problem.checkpoint_every, B * T)
+    # Rows no sequence writes (padding slots, the slack of packed input) stay zero.
+    ckpts = jnp.zeros((problem.checkpoint_capacity, H, HEAD_DIM, HEAD_DIM), pool.dtype)
+    out, pool, ckpts = _ffi.recurrence_pool_call(
+        _flat(v), _flat(beta), workspace, cu, state_indices, ckpt_offsets, pool, ckpts,
+        launch=launch, checkpoint_every=problem.checkpoint_every,
+    )
+    ckpts = None if problem.checkpoint_every is None else vary_like(ckpts, v)
+    return vary_like(out.reshape(q.shape), v), vary_like(pool, v), ckpts
+
+
+def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem,
+           inverse: str):
+    """(out [N, t, H, 128], updated state or pool, intermediate states [N, t, H, 128, 128] or
+    None) from the fused decode kernel, for arrays of exactly `problem`'s shapes."""
+    if state_indices is None:
+        state_indices = _state_pool.identity_indices(problem.num_seqs)
+    out, pool, states = _ffi.decode_call(
+        q, k, v, g, beta, A_log, dt_bias, state_indices, state, scale=problem.scale,
+        lower_bound=problem.lower_bound, inverse=inverse,
+        intermediate_states=problem.intermediate_states,
+    )
+    states = vary_like(states, v) if problem.intermediate_states else None
+    return vary_like(out, v), vary_like(pool, v), states

@@ -1,0 +1,176 @@
+"""Head partitioning under plain jax.jit: KDA heads are independent, so each device runs its own.
+
+Two mechanisms, chosen by what the inputs' types say at trace time:
+
+- Explicit mesh axes (jax.make_mesh's default, AxisType.Explicit): the head sharding is part of
+  the arrays' types, so `explicit_head_mesh` finds it and the call runs under jax.shard_map over
+  those mesh axes (jax_kda.sharding does the same with a mesh passed in; this path exports).
+- Auto axes (or no sharding in the types): `over_heads` wraps the call in
+  jax.experimental.custom_partitioning with a Shardy sharding rule in which the head axis is the
+  only factor that may stay sharded; every other dimension is replicated. XLA then runs the call
+  on each device's local heads (the local head count is what the launch heuristic sees) with no
+  gather of q, k, v, ... and no H-times work. On one device the wrapper inlines the call, so a
+  single-device jax.export holds no partitioning custom call; exporting a multi-device program
+  needs the shard_map path (kda_prefill_sharded or explicit axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which axis of each argument and result is the head axis (None: no head axis)."""
+
+    args: tuple[int | None, ...]
+    results: tuple[int | None, ...]
+    result_ranks: tuple[int, ...]
+
+
+# kda_prefill's core: q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets ->
+# out, final state / pool, checkpoints
+PREFILL = Layout(args=(2, 2, 2, 2, 2, 0, 0, 1, None, None, None), results=(2, 1, 1),
+                 result_ranks=(4, 4, 4))
+# kda_decode's core: q, k, v, g, beta, A_log, dt_bias, state, state_indices -> out, state, states
+DECODE = Layout(args=(2, 2, 2, 2, 2, 0, 0, 1, None), results=(2, 1, 2),
+                result_ranks=(4, 4, 5))
+
+
+def _present(values):
+    return tuple(i for i, x in enumerate(values) if x is not None)
+
+
+def _fill(present, size, values):
+    full = [None] * size
+    for i, x in zip(present, values):
+        full[i] = x
+    return full
+
+
+def _head_spec(ndim: int, head_axis: int | None, mesh_axes) -> P:
+    spec = [None] * ndim
+    if head_axis is not None:
+        spec[head_axis] = mesh_axes
+    return P(*spec)
+
+
+def _mesh_axes_size(mesh, mesh_axes) -> int:
+    if mesh_axes is None:
+        return 1
+    names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def over_heads(call_for_heads, layout: Layout, heads: int, arrays):
+    """call_for_heads(h)(*arrays) on each device's local heads (h = H / devices on the head axes).
+
+    arrays: the call's arguments in layout order (None for absent ones). The call returns a
+    tuple in layout.results order (None for absent results).
+    """
+    present = _present(arrays)
+    given = [arrays[i] for i in present]
+    shapes = jax.eval_shape(call_for_heads(heads), *arrays)
+    out_present = _present(shapes)
+
+    def body_for(h):
+        # jitted: custom_partitioning takes a body without closed-over constants, which a jit
+        # boundary keeps inside its own jaxpr
+        @jax.jit
+        def body(*xs):
+            results = call_for_heads(h)(*_fill(present, len(arrays), xs))
+            return tuple(results[i] for i in out_present)
+
+        return body
+
+    partitioned = custom_partitioning(body_for(heads))
+
+    def partition(mesh, arg_shapes, result_shape):
+        first = present[0]  # q: its head axis tells the mesh axes
+        spec = arg_shapes[0].sharding.spec
+        axis = layout.args[first]
+        mesh_axes = spec[axis] if axis < len(spec) else None
+        devices = _mesh_axes_size(mesh, mesh_axes)
+        if heads % devices:
+            mesh_axes, devices = None, 1  # not divisible: every device runs every head
+        arg_shardings = tuple(
+            NamedSharding(mesh, _head_spec(len(s.shape), layout.args[i], mesh_axes))
+            for i, s in zip(present, arg_shapes))
+        result_shapes = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+        out_shardings = tuple(
+            NamedSharding(mesh, _head_spec(len(s.shape), layout.results[i], mesh_axes))
+            for i, s in zip(out_present, result_shapes))
+        return mesh, body_for(heads // devices), out_shardings, arg_shardings
+
+    factors = []
+    replicated = []
+    for tag, axes, values in (("i", layout.args, given), ("o", layout.results, None)):
+        indices = present if values is not None else out_present
+        source = given if values is not None else [shapes[i] for i in out_present]
+        for number, (i, x) in enumerate(zip(indices, source)):
+            names = []
+            for d in range(len(x.shape)):
+                if d == axes[i]:
+                    names.append("h")
+                else:
+                    name = f"{tag}{number}d{d}"
+                    names.append(name)
+                    replicated.append(name)
+            factors.append(" ".join(names))
+    n_in = len(given)
+    rule = ", ".join(factors[:n_in]) + " -> " + ", ".join(factors[n_in:])
+    partitioned.def_partition(partition, sharding_rule=rule,
+                              need_replication_factors=tuple(replicated))
+    results = partitioned(*given)
+    return tuple(_fill(out_present, len(shapes), results))
+
+
+def explicit_head_mesh(x, head_axis: int):
+    """(mesh, mesh axes) when x's type says it is sharded over heads on Explicit mesh axes, else
+    None (no sharding in the type, Auto axes, or heads not sharded)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    spec = sharding.spec
+    axes = spec[head_axis] if head_axis < len(spec) else None
+    if axes is None:
+        return None
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    explicit = jax.sharding.AxisType.Explicit
+    if not all(mesh._name_to_type[name] == explicit for name in names):
+        return None
+    return mesh, axes
+
+
+def shard_over_heads(fn, layout: Layout, arrays, mesh, mesh_axes):
+    """fn(*arrays) under jax.shard_map: every array split on its head axis over `mesh_axes`,
+    replicated on everything else; fn sees each device's local heads and no collective runs.
+    Inputs on meshes with Explicit axes are resharded to that layout first (a no-op where they
+    already carry it)."""
+    present = _present(arrays)
+    specs = [_head_spec(arrays[i].ndim, layout.args[i], mesh_axes) for i in present]
+    given = [_placed(arrays[i], mesh, spec) for i, spec in zip(present, specs)]
+    result_specs = tuple(_head_spec(rank, axis, mesh_axes)
+                         for rank, axis in zip(layout.result_ranks, layout.results))
+
+    def local(*xs):
+        return fn(*_fill(present, len(arrays), xs))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=result_specs)(*given)
+
+
+def _placed(x, mesh, spec):
+    """x in the layout `spec` over `mesh`, where the mesh's Explicit axes require it up front."""
+    explicit = jax.sharding.AxisType.Explicit
+    if not any(t == explicit for t in mesh._name_to_type.values()):
+        return x  # Auto axes: shard_map reshards its inputs itself
+    if isinstance(mesh, jax.sharding.Mesh) and not isinstance(x, jax.core.Tracer):
+        return jax.device_put(x, NamedSharding(mesh, spec))
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))

@@ -1,0 +1,85 @@
+"""The pure-JAX path of kda_prefill and kda_decode: jax_kda.reference on gathered pool rows, with
+the kernels' conventions for pools (padding slots read and write nothing, their outputs are
+zero) and checkpoints. Runs anywhere and is differentiable."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _state_pool, reference
+from ._checks import DecodeProblem, Problem
+from .checkpoints import checkpoint_offsets
+
+
+# Jitted so that eager calls compile once per shape instead of dispatching op by op (seconds per
+# call on CPU); inside an outer jit it is simply inlined.
+@functools.partial(jax.jit, static_argnames=("problem", "inverse"))
+def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, *, problem: Problem,
+            inverse: str):
+    """(out, final state or updated pool, checkpoints or None), as the kernel path returns."""
+    pooled = state_indices is not None
+    state0 = _state_pool.gather(state, state_indices) if pooled else state
+    out, final, *ckpts = reference.kda_prefill_reference(
+        q, k, v, g, beta, A_log, dt_bias, scale=problem.scale, lower_bound=problem.lower_bound,
+        initial_state=state0, cu_seqlens=cu, inverse=inverse,
+        checkpoint_every=problem.checkpoint_every,
+    )
+    ckpts = ckpts[0].astype(problem.state_dtype) if ckpts else None
+    if not pooled:
+        return out, final.astype(problem.state_dtype), ckpts
+    padding = ~_state_pool.valid_rows(state_indices, problem.pool_rows)
+    out = jnp.where(_padding_tokens(problem, cu, padding)[..., None, None], 0, out).astype(out.dtype)
+    if ckpts is not None:
+        ckpts = jnp.where(_padding_checkpoints(problem, cu, padding)[:, None, None, None], 0,
+                          ckpts).astype(ckpts.dtype)
+    return out, _state_pool.scatter(state, state_indices, final), ckpts
+
+
+def _padding_tokens(problem: Problem, cu, padding):
+    """bool [B, T]: tokens that belong to a padding sequence."""
+    if cu is None:
+        return jnp.broadcast_to(padding[:, None], (problem.batch, problem.seqlen))
+    bounds = jnp.clip(cu, 0, problem.seqlen)
+    token = jnp.arange(problem.seqlen)
+    owner = jnp.searchsorted(bounds, token, side="right") - 1  # the sequence holding each token
+    inside = (owner >= 0) & (owner < problem.num_seqs)
+    return (inside & padding[jnp.clip(owner, 0, problem.num_seqs - 1)])[None]
+
+
+def _padding_checkpoints(problem: Problem, cu, padding):
+    """bool [capacity]: checkpoint rows that belong to a padding sequence."""
+    if cu is None:
+        cu = jnp.arange(problem.batch + 1, dtype=jnp.int32) * problem.seqlen
+    offsets = checkpoint_offsets(cu, problem.checkpoint_every, problem.batch * problem.seqlen)
+    row = jnp.arange(problem.checkpoint_capacity)
+    owner = jnp.searchsorted(offsets, row, side="right") - 1
+    inside = (owner >= 0) & (owner < problem.num_seqs)
+    return inside & padding[jnp.clip(owner, 0, problem.num_seqs - 1)]
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "inverse"))
+def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem,
+           inverse: str):
+    """(out, new state or updated pool, intermediate states or None): the prefill reference on
+    the t tokens (B = N, T = t), and on each prefix of them for the intermediate states."""
+    pooled = state_indices is not None
+    state0 = _state_pool.gather(state, state_indices) if pooled else state
+    run = functools.partial(reference.kda_prefill_reference, scale=problem.scale,
+                            lower_bound=problem.lower_bound, initial_state=state0,
+                            inverse=inverse)
+    out, final = run(q, k, v, g, beta, A_log, dt_bias)
+    states = None
+    if problem.intermediate_states:
+        prefixes = [run(*(x[:, :i] for x in (q, k, v, g, beta)), A_log, dt_bias)[1]
+                    for i in range(1, problem.tokens + 1)]
+        states = jnp.stack(prefixes, axis=1).astype(problem.state_dtype)  # [N, t, H, 128, 128]
+    if not pooled:
+        return out, final.astype(problem.state_dtype), states
+    valid = _state_pool.valid_rows(state_indices, problem.pool_rows)
+    out = jnp.where(valid[:, None, None, None], out, 0).astype(out.dtype)
+    if states is not None:
+        states = jnp.where(valid.reshape(-1, 1, 1, 1, 1), states, 0).astype(states.dtype)
+    return out, _state_pool.scatter(state, state_indices, final), states
