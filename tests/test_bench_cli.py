@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -191,3 +193,137 @@ def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
         assert info["block_v_used"] == "baseline" and attrs == ["0"] * 3
     elif recurrences:
         assert attrs == [str(info["block_v_used"])] * 3
+
+
+# --- where results go ---------------------------------------------------------------------------
+
+def _bench_env(**env):
+    """This environment without XDG_CACHE_HOME and HOME, plus env."""
+    out = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "HOME")}
+    out["JAX_PLATFORMS"] = "cpu"
+    return out | {k: str(v) for k, v in env.items()}
+
+
+def test_default_output_folder_is_the_user_cache(monkeypatch, tmp_path):
+    from jax_kda.bench import cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cli.default_out_dir() == tmp_path / "xdg" / "jax_kda" / "bench"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: ignored (XDG spec)
+    assert cli.default_out_dir() == tmp_path / "home" / ".cache" / "jax_kda" / "bench"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cli.default_out_dir() == tmp_path / "home" / ".cache" / "jax_kda" / "bench"
+    assert not cli.default_out_dir().is_relative_to(pathlib.Path.cwd())
+
+
+def test_a_run_without_out_writes_nothing_into_the_current_folder(tmp_path):
+    """Run from a source checkout, the command must not leave result files in it."""
+    cwd, cache = tmp_path / "checkout", tmp_path / "cache"
+    cwd.mkdir()
+    cmd = [sys.executable, "-m", "jax_kda.bench", "--seqlen", "16", "--heads", "1",
+           "--variants", "reference", "--repeats", "1", "--warmup", "0", "--tag", "t",
+           "--no-progress"]
+    done = subprocess.run(cmd, cwd=cwd, env=_bench_env(XDG_CACHE_HOME=cache, HOME=tmp_path / "home"),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert list(cwd.iterdir()) == []
+    folder = cache / "jax_kda" / "bench"
+    assert {p.name for p in folder.iterdir()} == {"t.json", "t.csv", "t.png"}
+    assert f"results go to {folder}" in done.stdout
+    assert str(folder / "t.json") in done.stdout.split("wrote ")[-1]
+    # without XDG_CACHE_HOME: ~/.cache/jax_kda/bench; --out still wins
+    done = subprocess.run(cmd + ["--dry-run"], cwd=cwd, env=_bench_env(HOME=tmp_path / "h"),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert f"results would go to {tmp_path / 'h' / '.cache' / 'jax_kda' / 'bench'}" in done.stdout
+    done = subprocess.run(cmd + ["--dry-run", "--out", "here"], cwd=cwd,
+                          env=_bench_env(HOME=tmp_path / "h"),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert f"results would go to {cwd / 'here'}" in done.stdout
+
+
+# --- the plot ------------------------------------------------------------------------------------
+
+def _rows(cases, medians):
+    """Results rows: medians[case][variant] = us, or None for a variant that was skipped."""
+    rows = []
+    for c in cases:
+        for v, us in medians[c].items():
+            rows.append({"case": c, "variant": v, "status": "ok" if us else "skipped",
+                         "median_us": us, "error": None if us else "no GPU"})
+    return rows
+
+
+def _plot(tmp_path, monkeypatch, cases, variants, rows, baseline):
+    """write_plot's figure, as points per axes (and the figure), and check the PNG."""
+    import matplotlib.figure
+
+    shown = []
+    save = matplotlib.figure.Figure.savefig
+
+    def recording_savefig(fig, *args, **kwargs):
+        shown.append((report.points_per_axes(fig), fig))
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_savefig)
+    report.add_ratios(rows, baseline)
+    path = tmp_path / "plot.png"
+    assert report.write_plot(path, [{"name": c} for c in cases], variants, rows, baseline,
+                             "test") is None
+    assert path.read_bytes().startswith(b"\x89PNG")
+    (points, fig), = shown
+    assert points and all(n > 0 for n in points), points  # no empty panel
+    return points, fig
+
+
+VARIANTS = ["prepare", "recurrence:bv=baseline", "recurrence:bv=auto", "total:bv=baseline",
+            "total:bv=auto", "fla"]
+
+
+def test_plot_of_one_case_is_one_bar_per_variant_with_the_speedup(tmp_path, monkeypatch):
+    medians = {"T8192_H6": {"prepare": 42.0, "recurrence:bv=baseline": 880.0,
+                            "recurrence:bv=auto": 230.0, "total:bv=baseline": 916.0,
+                            "total:bv=auto": 279.0, "fla": None}}  # fla skipped
+    points, fig = _plot(tmp_path, monkeypatch, ["T8192_H6"], VARIANTS,
+                        _rows(["T8192_H6"], medians), "total:bv=baseline")
+    assert points == [5]  # one panel, a bar per measured variant
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == VARIANTS[:5]
+    notes = [t.get_text() for t in ax.texts]
+    assert any("(baseline)" in n for n in notes)
+    assert any(f"({916.0 / 279.0:.2f}x vs baseline)" in n for n in notes), notes
+
+
+def test_plot_of_one_case_without_the_baseline(tmp_path, monkeypatch):
+    medians = {"T64_H2": {"reference": 1000.0, "prepare": None}}
+    points, _ = _plot(tmp_path, monkeypatch, ["T64_H2"], ["reference", "prepare"],
+                        _rows(["T64_H2"], medians), "prepare")
+    assert points == [1]
+
+
+@pytest.mark.parametrize("baseline_everywhere", [True, False])
+def test_plot_of_several_cases_has_times_and_speedups(tmp_path, monkeypatch, baseline_everywhere):
+    cases_ = ["T8192_H96", "T8192_H24", "T8192_H6", "varlen8x1024_H12"]
+    medians = {c: {"prepare": 40.0 + i, "recurrence:bv=baseline": 880.0 - i,
+                   "recurrence:bv=auto": 200.0 + 100 * i, "total:bv=baseline": 900.0,
+                   "total:bv=auto": 300.0 + i, "fla": None} for i, c in enumerate(cases_)}
+    if not baseline_everywhere:
+        del medians["T8192_H6"]["total:bv=baseline"]
+    points, _ = _plot(tmp_path, monkeypatch, cases_, VARIANTS, _rows(cases_, medians),
+                        "total:bv=baseline")
+    n_bars = 5 * 4 - (0 if baseline_everywhere else 1)
+    n_ratios = 4 * (4 if baseline_everywhere else 3)  # every variant but the baseline
+    assert points == [n_bars, n_ratios]
+
+
+def test_plot_of_several_cases_of_the_baseline_alone(tmp_path, monkeypatch):
+    medians = {"a": {"reference": 5.0}, "b": {"reference": 7.0}}
+    points, _ = _plot(tmp_path, monkeypatch, ["a", "b"], ["reference"], _rows(["a", "b"], medians),
+                      "reference")
+    assert points == [2]  # times only: a speedup panel would show nothing but the baseline's 1s
+
+
+def test_plot_of_nothing_measured_is_skipped_with_a_reason(tmp_path):
+    rows = _rows(["a"], {"a": {"prepare": None}})
+    why = report.write_plot(tmp_path / "x.png", [{"name": "a"}], ["prepare"], rows, None, "t")
+    assert why and not (tmp_path / "x.png").exists()

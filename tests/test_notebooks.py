@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -16,17 +18,54 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
+# Run before the notebook's own cells: every plt.show() records, for each open figure, how many
+# data points each of its axes shows (jax_kda.bench.report.points_per_axes), and the last cell
+# prints the record as one JSON line after FIGURE_POINTS_MARK.
+FIGURE_POINTS_MARK = "points per axes of every figure shown:"
+_RECORD_FIGURES = """
+import matplotlib.pyplot as _plt
+from jax_kda.bench.report import points_per_axes as _points_per_axes
+_figure_points, _plt_show = [], _plt.show
+def _recording_show(*args, **kwargs):
+    _figure_points.extend(_points_per_axes(_plt.figure(n)) for n in _plt.get_fignums())
+    return _plt_show(*args, **kwargs)
+_plt.show = _recording_show
+"""
+_PRINT_FIGURES = f"import json as _json; print({FIGURE_POINTS_MARK!r}, _json.dumps(_figure_points))"
+
+
 def _execute(path: pathlib.Path, monkeypatch, **env) -> nbformat.NotebookNode:
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # CI is CPU-only; the notebooks pick the reference
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     for key, value in env.items():
-        monkeypatch.setenv(key, value)
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
     nb = nbformat.read(path, as_version=4)
+    nb.cells = ([nbformat.v4.new_code_cell(_RECORD_FIGURES)] + nb.cells
+                + [nbformat.v4.new_code_cell(_PRINT_FIGURES)])
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError on the first failing cell
     return nb
+
+
+def _figure_points(nb) -> list[list[int]]:
+    """Per figure the notebook showed, the data points of each axes; checks that no figure was
+    displayed without going through plt.show (which would escape the record)."""
+    line = next(ln for ln in _outputs_text(nb).splitlines() if ln.startswith(FIGURE_POINTS_MARK))
+    figures = json.loads(line[len(FIGURE_POINTS_MARK):])
+    assert len(figures) == _images(nb), (figures, _images(nb))
+    return figures
+
+
+def _assert_every_axes_has_data(nb) -> list[list[int]]:
+    figures = _figure_points(nb)
+    empty = [(i, j) for i, axes in enumerate(figures) for j, n in enumerate(axes) if n == 0]
+    assert not empty, f"(figure, axes) without data: {empty}; points per axes: {figures}"
+    return figures
 
 
 def _outputs_text(nb) -> str:
@@ -62,8 +101,10 @@ def test_runs_top_to_bottom_on_cpu(path, monkeypatch, tmp_path):
     nb = _execute(path, monkeypatch, JAX_KDA_BENCH_RESULTS=str(empty))
     text = _outputs_text(nb)
     assert "Traceback" not in text
+    figures = _assert_every_axes_has_data(nb)
     if path.name == "column_split.ipynb":
         assert "No GPU benchmark results found" in text  # says so instead of failing
+        assert len(figures) == 1  # the SM-occupancy figure only
 
 
 def _synthetic_gpu_results(folder: pathlib.Path) -> None:
@@ -94,4 +135,39 @@ def test_column_split_plots_committed_results(monkeypatch, tmp_path):
     text = _outputs_text(nb)
     assert "synthetic.json: synthetic GPU" in text
     assert "T8192_H24" in text  # the table of every case
-    assert _images(nb) >= 2  # the SM-occupancy figure and the measured-results figure
+    _, measured = _assert_every_axes_has_data(nb)  # the SM-occupancy figure, the measured one
+    # recurrence alone, both kernels vs others, the speedup of bv=auto over bv=128 (no
+    # bv=baseline in this file), each over the 3 head counts
+    assert measured == [6, 9, 6], measured
+
+
+def _table_header(text: str) -> tuple[list[str], list[str]]:
+    lines = text.splitlines()
+    i = next(i for i, ln in enumerate(lines) if re.match(r"case\s+prepare\s", ln))
+    return lines[i].split(), lines[i + 1].split()
+
+
+def test_column_split_reads_the_committed_h200_results(monkeypatch):
+    """The notebook as a reader runs it, on the committed results files: runs that name the
+    per-head baseline bv=baseline or bv=128 and hold different cases and variants merge into one
+    figure whose every panel has data, and a table of every case whose columns stay apart."""
+    from jax_kda.bench.results import load_runs, merge
+
+    runs = load_runs(ROOT / "benchmarks" / "results")
+    if not runs:
+        pytest.skip("no committed GPU results files of the bench command")
+    nb = _execute(ROOT / "notebooks" / "column_split.ipynb", monkeypatch,
+                  JAX_KDA_BENCH_RESULTS=None)
+    text = _outputs_text(nb)
+    assert "No GPU benchmark results found" not in text
+    figures = _assert_every_axes_has_data(nb)
+    assert len(figures) == 2 and len(figures[1]) == 3, figures  # 3 panels of the measurements
+    assert min(figures[1]) >= 2, figures  # a sweep over heads, not one point per panel
+
+    data = merge(runs)
+    for case in data["cases"]:
+        assert case["name"] in text
+    kinds, bvs = _table_header(text)
+    variants = data["meta"]["variants"]
+    assert kinds == ["case"] + [v.split(":")[0] for v in variants], kinds
+    assert bvs == [v.split(":")[1] for v in variants if ":" in v], bvs

@@ -6,6 +6,10 @@ Examples:
   python -m jax_kda.bench --variants recurrence --block-v 32,64,128,auto --seqlen 8192 --heads 6
   python -m jax_kda.bench --block-v 16,32,baseline --total-block-v baseline,auto  # baseline kernel too
   python -m jax_kda.bench --variants reference --seqlen 64 --heads 2   # CPU, tiny
+
+Results (<tag>.json, .csv, .png) go to --out, by default $XDG_CACHE_HOME/jax_kda/bench
+(~/.cache/jax_kda/bench when XDG_CACHE_HOME is not set), outside any source tree; the command
+prints where. Give --out benchmarks/results to add a run to the repository's committed results.
 """
 
 from __future__ import annotations
@@ -75,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--torch-inner", type=int, default=10, help="calls per CUDA graph for torch")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("output")
-    g.add_argument("--out", default="benchmarks/results", help="output folder")
+    g.add_argument("--out", type=Path, default=None,
+                   help="output folder (default $XDG_CACHE_HOME/jax_kda/bench, else "
+                   "~/.cache/jax_kda/bench)")
     g.add_argument("--tag", help="file name stem (default <device>-<UTC time>)")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--no-progress", action="store_true")
@@ -83,8 +89,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_out_dir() -> Path:
+    """Where results go without --out: the user's cache folder, never the current directory
+    (which is often a source checkout). $XDG_CACHE_HOME is used only when it is an absolute path,
+    as the XDG base directory specification asks."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(cache) if cache and Path(cache).is_absolute() else Path.home() / ".cache"
+    return base / "jax_kda" / "bench"
+
+
 def _parse_block_v(text: str, what: str) -> list[int | str]:
-    from .._checks import BLOCK_V_CHOICES
+    from ..contract import COLUMN_SPLITS as BLOCK_V_CHOICES
 
     values: list[int | str] = []
     for part in (s.strip() for s in text.split(",") if s.strip()):
@@ -192,6 +207,7 @@ def main(argv=None) -> int:
         for c in cases:
             print(f"  case {c.name}: seq_lens={list(c.seq_lens)} heads={c.heads} layout={c.layout}")
         print("  variants: " + ", ".join(names) + f" (baseline {baseline})")
+        print(f"  results would go to {(args.out or default_out_dir()).expanduser().absolute()}")
         return 0
 
     meta = _device_meta() | {
@@ -204,10 +220,12 @@ def main(argv=None) -> int:
 
         meta["compare_versions"] = versions()
 
-    out_dir = Path(args.out)
+    out_dir = (args.out or default_out_dir()).expanduser().absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"{_slug(meta['device_kind'])}-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}"
     paths = {ext: out_dir / f"{tag}.{ext}" for ext in ("json", "csv", "png")}
+    print(f"results go to {out_dir}{'' if args.out else ' (the default; --out to change)'}",
+          flush=True)
 
     results = []
     bar = progress_bar(len(cases) * len(variants), enabled=not args.no_progress)
