@@ -6,6 +6,10 @@ PYTHON312 ?= $(firstword $(foreach p,$(PYTHON_CANDIDATES),$(shell $(p) -c 'impor
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS ?= --disable-pip-version-check -q
+# Where an NVIDIA driver answers, the CUDA plugin of JAX comes too (else the demo and the GPU tests
+# would silently run the reference on CPU-only jax).
+EXTRAS ?= $(if $(shell nvidia-smi -L 2>/dev/null),test$(comma)cuda13,test)
+comma := ,
 
 .PHONY: setup demo test test-gpu lint clean
 
@@ -15,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "need Python >= 3.12 (python3.12 on PATH or under ~/.pyenv)"; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[test]'
+	$(PY) -m pip install $(PIP_FLAGS) -e '.[$(EXTRAS)]'
 	touch $@
 
 demo: setup

@@ -7,6 +7,8 @@ On a machine with an NVIDIA GPU and the built kernels it runs the GPU kernels at
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 import time
 
 import jax
@@ -15,7 +17,8 @@ import numpy as np
 
 from . import _ffi, kda_prefill, oracle
 
-# The demo draws q, k, v ~ N(0, 1). There the SPEC's bf16 roundings (kernels and reference alike)
+# The demo draws q, k, v ~ N(0, 1). There the bf16 roundings of the numerics contract
+# (docs/numerics.md; kernels and reference alike)
 # cost 5e-3 to 7.5e-3 relative RMSE against float64; FlashKDA's 5e-3 bound holds for its U(0, 1)
 # inputs (both measured in tests/test_reference.py).
 ORACLE_TOLERANCE = 1e-2
@@ -25,12 +28,12 @@ def _make_inputs(rng, T, H, dtype=jnp.bfloat16):
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
 
-    return dict(
-        q=normal(1, T, H, 128), k=normal(1, T, H, 128), v=normal(1, T, H, 128),
-        g=normal(1, T, H, 128), beta=normal(1, T, H),
-        A_log=jnp.asarray(rng.uniform(-2.0, 1.0, H), jnp.float32),
-        dt_bias=jnp.asarray(rng.standard_normal((H, 128)), jnp.float32),
-    )
+    return {
+        "q": normal(1, T, H, 128), "k": normal(1, T, H, 128), "v": normal(1, T, H, 128),
+        "g": normal(1, T, H, 128), "beta": normal(1, T, H),
+        "A_log": jnp.asarray(rng.uniform(-2.0, 1.0, H), jnp.float32),
+        "dt_bias": jnp.asarray(rng.standard_normal((H, 128)), jnp.float32),
+    }
 
 
 def _median_seconds(fn, repeats):
@@ -42,8 +45,26 @@ def _median_seconds(fn, repeats):
     return float(np.median(times))
 
 
+def driver_gpus() -> list[str]:
+    """The NVIDIA GPUs the driver lists (nvidia-smi -L), [] without a driver."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line for line in listed.stdout.splitlines() if line.startswith("GPU ")]
+
+
 def main(argv=None) -> None:
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    if not on_gpu and driver_gpus():
+        raise SystemExit(
+            f"jax_kda demo: the NVIDIA driver lists {driver_gpus()[0]!r} but JAX sees no GPU "
+            f"(devices: {jax.devices()}): JAX's CUDA plugin is missing. Install it with "
+            "pip install 'jax-kda[cuda13]' (or run `make demo`, which does where a driver is "
+            "present); the demo would otherwise run the reference on the CPU."
+        )
     use_kernels = on_gpu and _ffi.kernels_available()
     parser = argparse.ArgumentParser(prog="python -m jax_kda", description=__doc__)
     parser.add_argument("--seqlen", type=int, default=8192 if use_kernels else 1024)
@@ -71,7 +92,7 @@ def main(argv=None) -> None:
     n = min(args.check_tokens, T)
     sliced = {key: np.asarray(val[:, :n, :1].astype(jnp.float32)) if val.ndim >= 3 else np.asarray(val[:1])
               for key, val in inputs.items()}
-    # SPEC: an f32 initial state is rounded to bf16 on entry; the oracle starts from that state
+    # an f32 initial state is rounded to bf16 on entry (docs/numerics.md); the oracle starts there
     state_entry = np.asarray(state0[:, :1].astype(jnp.bfloat16).astype(jnp.float32))
     want, _ = oracle.kda_prefill_oracle(**sliced, initial_state=state_entry)
     got = np.asarray(out[:, :n, :1].astype(jnp.float32), np.float64)

@@ -1,10 +1,10 @@
-"""Pure-JAX chunkwise KDA prefill that mirrors the kernels' rounding steps (../shared/SPEC.md).
+"""Pure-JAX chunkwise KDA prefill that mirrors the kernels' rounding steps (docs/numerics.md).
 
 Runs anywhere (CPU included) under jit; it is the readable definition of the numerics the CuTe DSL
 kernels implement. Structure follows the two kernels:
 
-* `prepare_reference`: SPEC kernel 1 on 16-token chunks -> `ChunkWorkspace` (kd, qd, kr, gt, inv, mqk).
-* `recurrence_reference`: SPEC kernel 2, a `lax.scan` over chunks, state kept in bf16 between chunks.
+* `prepare_reference`: the prepare step (docs/numerics.md) on 16-token chunks -> `ChunkWorkspace` (kd, qd, kr, gt, inv, mqk).
+* `recurrence_reference`: the recurrence (docs/numerics.md), a `lax.scan` over chunks, state kept in bf16 between chunks.
 * `kda_prefill_reference`: the whole prefill on [B, T, H, 128] inputs, batched or packed (cu_seqlens).
 
 Axis convention: every chunked array has arbitrary leading axes `...` (for the prefill they are
@@ -18,7 +18,7 @@ How the GPU's approximate or fused operations are emulated (XLA offers no exact 
 * tanh.approx / rsqrt.approx: XLA's tanh and rsqrt (last-bit differences possible, as above).
 * fmaf (stable inverse, state update): emulated exactly with error-free transformations (`fma_f32`);
   inputs go through an optimization barrier so XLA cannot contract parts of it into hardware FMAs.
-* XLA contracts a*b+c into an FMA on CPU. Where the SPEC rounds a product before adding it (the gate
+* XLA contracts a*b+c into an FMA on CPU. Where the contract rounds a product before adding it (the gate
   before its running sum) the product is put behind an optimization barrier, so the sum is unfused.
 * f32-accumulating MMAs: f32 dots at precision HIGHEST (bf16 x bf16 products are exact in f32; the
   order of the f32 additions inside a dot is XLA's, not the tensor core's).
@@ -27,15 +27,15 @@ How the GPU's approximate or fused operations are emulated (XLA offers no exact 
 
 * Subnormals: XLA on CPU flushes them; the GPU keeps them. kd and qd are carried scaled by 2^64
   inside prepare so strongly decayed rows keep their (large) contribution to Mqk and L.
-* The gate sum follows the SPEC literally (gate rounded to f32, then added). A GPU compiler may
-  contract it into an FMA (FlashKDA's CUDA source leaves that to nvcc); then G differs in last bits.
+* The gate sum follows the contract literally (gate rounded to f32, then added), as the kernels
+  do with pinned, unfused adds.
 
 Inverse variants: "stable" (default) is accurate on near-collinear keys. "neumann" (FlashKDA v1) is
 not: with 16 identical keys, no decay and b ~ 1, the f16 terms of its series (entries of L^8 reach
 ~3400, where f16 spacing is 2) cancel badly. In this emulation, which rounds each f16-accumulating
 MMA once, INV stays finite but is off by > 0.5 for about 60% of random keys, and the outputs are
 wrong by tens of percent (test: relative RMSE ~0.44 vs the oracle over 8 heads, stable ~0.009).
-SPEC/FlashKDA report NaN/Inf on the GPU, whose tensor cores may also overflow f16 inside an MMA.
+FlashKDA report NaN/Inf on the GPU, whose tensor cores may also overflow f16 inside an MMA.
 
 Gradients pass through every rounding unchanged (straight-through), so the reference is
 differentiable where the kernels are not.
@@ -226,7 +226,7 @@ def fma_f32(a, b, c):
 
 
 def l2_normalize_bf16(x):
-    """SPEC prepare step 1 on [..., 128]: per-row L2 normalisation, result bf16."""
+    """Prepare step 1 (docs/numerics.md) on [..., 128]: per-row L2 normalisation, result bf16."""
     xf = _f32(x)
     sq = (xf * xf).reshape(xf.shape[:-1] + (16, 8))  # squares of bf16 values are exact in f32
     partial = sq[..., 0]
@@ -244,7 +244,7 @@ def _strict_lower(n):
 
 
 def _stable_inverse(kd_s, ki, b):
-    """SPEC prepare step 6, "stable": blockwise f32 forward substitution + one bf16 correction."""
+    """Prepare step 6 (docs/numerics.md), "stable": blockwise f32 forward substitution + one bf16 correction."""
     strict = _strict_lower(CHUNK)
     lmat = jnp.where(strict, _dot("...rd,...cd->...rc", kd_s, ki) * _SUB_UNSCALE, 0.0)
     lmat = lmat * b[..., :, None]
@@ -277,7 +277,7 @@ def _f16_mma(x, y):
 
 
 def _neumann_inverse(kd_s, ki, b):
-    """SPEC prepare step 6, "neumann" (FlashKDA v1): f16 products (I - L)(I + L^2)(I + L^4)(I + L^8)."""
+    """Prepare step 6 (docs/numerics.md), "neumann" (FlashKDA v1): f16 products (I - L)(I + L^2)(I + L^4)(I + L^8)."""
     strict = _strict_lower(CHUNK)
     lmat = _round_f16(_dot("...rd,...cd->...rc", kd_s, ki) * _SUB_UNSCALE)
     lmat = jnp.where(strict, _round_f16(lmat * _round_f16(b)[..., :, None]), 0.0)
@@ -292,7 +292,7 @@ def _neumann_inverse(kd_s, ki, b):
 
 def prepare_reference(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound, inverse="stable",
                       valid=None) -> ChunkWorkspace:
-    """SPEC kernel 1 on chunked inputs.
+    """the prepare step (docs/numerics.md) on chunked inputs.
 
     Args:
       q, k, g: bf16 [..., 16, 128] (g is the raw gate).
@@ -347,7 +347,7 @@ def prepare_reference(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound, inve
 
 
 def _chunk_step(state, ws: ChunkWorkspace, v, beta):
-    """SPEC kernel 2 on one chunk. state bf16 [..., 128 (v), 128 (k)]; returns (state', out)."""
+    """the recurrence (docs/numerics.md) on one chunk. state bf16 [..., 128 (v), 128 (k)]; returns (state', out)."""
     s = _f32(state)
     p = _round_bf16(_dot("...rk,...vk->...rv", ws.kd, s))
     oq = _round_bf16(_dot("...rk,...vk->...rv", ws.qd, s))
@@ -361,7 +361,7 @@ def _chunk_step(state, ws: ChunkWorkspace, v, beta):
 
 
 def recurrence_reference(ws: ChunkWorkspace, v, beta, initial_state, checkpoint_chunks=None):
-    """SPEC kernel 2: the chunk recurrence, serial over the chunk axis.
+    """the recurrence (docs/numerics.md): the chunk recurrence, serial over the chunk axis.
 
     Args:
       ws: ChunkWorkspace with leading axes [..., C] (C chunks, in order).

@@ -7,11 +7,11 @@
 #                                    GPU machine: install .whl/*.whl with --no-deps into a fresh
 #                                    target dir, check the import resolves there, run
 #                                    `pytest -m gpu` against it, then the benchmark if present
-#                                    (or only one of the two, to fit the 10-minute command limit).
+#                                    (or only one of the two).
 #                                    Logs and results go to $OUT (default ./gpu_out).
 #
-# The device tool copies the working tree; .whl/ is ignored, so carry it: carry=[".whl"], e.g.
-#   command: "bash scripts/gpu_roundtrip.sh gpu"
+# The GPU machine needs the source tree (for the tests) and .whl/ (git-ignored), then runs
+#   bash scripts/gpu_roundtrip.sh gpu
 # Knobs: PYTHON (build: interpreter, default .venv/bin/python or python3),
 #   JAX_KDA_NO_BUILD_ISOLATION=1 (build with PYTHON's installed toolchain instead of fetching it),
 #   GPU_TEST_TIMEOUT (s, default 400), BENCH_TIMEOUT (s, default 150),
@@ -52,7 +52,7 @@ gpu() {
 
   wheel="$(ls "$WHEEL_DIR"/jax_kda-*.whl 2>/dev/null | head -n 1)"
   if [[ -z "$wheel" ]]; then
-    echo "no wheel in $WHEEL_DIR: run 'scripts/gpu_roundtrip.sh build' on the CPU machine and carry .whl"
+    echo "no wheel in $WHEEL_DIR: run 'scripts/gpu_roundtrip.sh build' on a machine with the build toolchain first"
     exit 2
   fi
   site="$(mktemp -d)/site"

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One batched H200 call (device time is scarce): GPU tests, a compute-sanitizer pass on a small
-# shape, then the benchmark with fla alongside. Needs carry=[".whl", ".carry"]; see gpu_roundtrip.sh.
+# Everything a GPU machine runs in one go: GPU tests, a compute-sanitizer pass on a small shape,
+# then the benchmark with fla alongside. Expects the built wheel in .whl/ (scripts/gpu_roundtrip.sh
+# build) and optional peer wheels and sources in .external/ (both git-ignored).
 #   STAGES: any of "smoke tests sanitizer bench multigpu profile grid parity" (default: tests sanitizer bench)
-#   WHEEL_DIR: where the built wheel is (default .whl; carry it)
+#   WHEEL_DIR: where the built wheel is (default .whl)
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$REPO/gpu_out}"; mkdir -p "$OUT"
 STAGES="${STAGES:-tests sanitizer bench}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # subprocess tests need GPU memory too
-if ls "$REPO"/.carry/*.whl >/dev/null 2>&1; then  # fla (pure Python) for --compare fla
-  python3 -m pip install -q --no-deps --no-index --target /tmp/fla "$REPO"/.carry/*.whl && export PYTHONPATH=/tmp/fla
+if ls "$REPO"/.external/*.whl >/dev/null 2>&1; then  # fla (pure Python) for --compare fla
+  python3 -m pip install -q --no-deps --no-index --target /tmp/fla "$REPO"/.external/*.whl && export PYTHONPATH=/tmp/fla
 fi
 # the built wheel, installed once for the stages below (gpu_roundtrip.sh installs its own copy)
 export WHEEL_DIR="${WHEEL_DIR:-$REPO/.whl}"
@@ -32,7 +33,7 @@ for stage in $STAGES; do
       done ;;
     multigpu)
       echo "== multi-GPU sharded check"
-      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 240 python3 "$REPO/scripts/multi_gpu_check.py" "$OUT/multi_gpu.json")
+      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 240 python3 "$REPO/benchmarks/multi_gpu_check.py" "$OUT/multi_gpu.json")
       echo "multi-GPU exit $?" ;;
     profile)  # Nsight Compute on one recurrence launch: where the per-chunk cycles go
       echo "== ncu, recurrence, T=8192, 12 heads"
@@ -40,13 +41,13 @@ for stage in $STAGES; do
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
         --section WarpStateStats python3 "$REPO/scripts/profile_case.py") > "$OUT/ncu_recurrence.txt" 2>&1
       echo "ncu exit $?"; grep -E "Duration|Issue Slots|Eligible|Active Warps|Stall|No Eligible|Registers|Block Size|Grid Size" "$OUT/ncu_recurrence.txt" | head -40 ;;
-    grid)  # issue 4: block_v x heads x sequences, recurrence alone
+    grid)  # block_v x heads x sequences, recurrence alone
       echo "== launch-heuristic grid"
-      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout "${GRID_TIMEOUT:-360}" python3 "$REPO/scripts/heuristic_grid.py" \
+      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout "${GRID_TIMEOUT:-360}" python3 "$REPO/benchmarks/heuristic_grid.py" \
         --out "$OUT/heuristic_grid.json" ${GRID_ARGS:-})
       echo "grid exit $?" ;;
-    parity)  # issue 3: bitwise against FlashKDA v1 and the stable torch_ref (sources in .carry/ext)
-      PYTHONPATH="$site:${PYTHONPATH:-}" bash "$REPO/scripts/flashkda_parity.sh" ;;
+    parity)  # bitwise against FlashKDA v1 and the stable torch_ref (sources in .external)
+      PYTHONPATH="$site:${PYTHONPATH:-}" bash "$REPO/benchmarks/flashkda_parity.sh" ;;
     bench)
       if ls "${FLASHKDA_DIR:-/tmp/flashkda}"/FlashKDA/flash_kda_C*.so >/dev/null 2>&1; then  # built by the parity stage
         export PYTHONPATH="${FLASHKDA_DIR:-/tmp/flashkda}/FlashKDA${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,5 +1,6 @@
 """Shared fixtures."""
 
+import collections
 import pathlib
 import sys
 
@@ -19,3 +20,17 @@ def kernel_gpus():
     if not gpus:
         pytest.skip(f"needs a CUDA GPU with the built kernels ({_ffi.unavailable_reason() or 'no such GPU'})")
     return gpus
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line naming why tests skipped (pytest -q shows only a count)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = collections.Counter()
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    parts = [f"{count} x {reason}" for reason, count in reasons.most_common()]
+    terminalreporter.write_line(f"skipped {len(skipped)}: " + "; ".join(parts))

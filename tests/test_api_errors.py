@@ -161,6 +161,13 @@ def test_nonfinite_scale_rejected():
         call(make_args(), scale=float("nan"))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.1])
+def test_non_positive_scale_rejected(scale):
+    """A zero or negative scale would silently zero or flip every output."""
+    with pytest.raises(ValueError, match=f"kda_prefill: scale must be positive, got {scale}"):
+        call(make_args(), scale=scale)
+
+
 def test_unknown_inverse():
     with pytest.raises(ValueError, match="inverse must be one of .*'exact'"):
         call(make_args(), inverse="exact")

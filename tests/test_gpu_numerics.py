@@ -209,7 +209,7 @@ def test_every_column_split_and_the_baseline_are_bitwise_identical(shape):
 
 @pytest.mark.parametrize("g_value", [-8.0, -4.0, 0.0, 8.0, "uniform", "normal"])
 def test_kernel_vs_f64_oracle(g_value):
-    """FlashKDA's protocol: q, k, v ~ U(0, 1). (With N(0, 1) inputs the SPEC's own bf16 roundings
+    """FlashKDA's protocol: q, k, v ~ U(0, 1). (With N(0, 1) inputs the contract's own bf16 roundings
     cost 0.005-0.007 relative RMSE, kernel and reference alike: see tests/test_reference.py.)"""
     rng = np.random.default_rng()
     T, H = 300, 2

@@ -119,7 +119,7 @@ def test_reference_gradients_match_finite_differences_of_the_exact_function():
     """jax.grad through backend="reference" vs central finite differences in float64.
 
     Finite differences of the reference itself measure nothing useful: it rounds to bf16 at every
-    step (SPEC.md), so it is piecewise constant at the scale of small steps and noisy at large ones.
+    step (docs/numerics.md), so it is piecewise constant at the scale of small steps and noisy at large ones.
     Autodiff treats each rounding as the identity, so its gradient is the derivative of the exact
     KDA function evaluated with bf16-rounded intermediates. The test therefore compares it with
     central differences of the float64 oracle (the exact function; smooth, so eps = 1e-2 has a

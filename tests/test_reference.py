@@ -1,10 +1,10 @@
 """The pure-JAX chunkwise reference (jax_kda.reference) against the float64 oracle and itself.
 
 Error figures (relative RMSE = rms(ref - oracle) / rms(oracle)) measured when this was written:
-* q, k, v ~ U(0, 1) (FlashKDA's own test inputs), SPEC gate/bias sweep, T = 100, initial state:
+* q, k, v ~ U(0, 1) (FlashKDA's own test inputs), the contract's gate/bias sweep, T = 100, initial state:
   outputs <= 0.0045, final states <= 0.0061 (both inverses); lengths 1..256: outputs <= 0.004.
-  The SPEC tolerance 0.005 holds here and is asserted.
-* q, k, v ~ N(0, 1): outputs 0.0054 .. 0.0074, final states <= 0.0066. This is the error of the SPEC's
+  The tolerance 0.005 holds here and is asserted.
+* q, k, v ~ N(0, 1): outputs 0.0054 .. 0.0074, final states <= 0.0066. This is the error of the contract's
   own chain of about ten bf16 roundings (each ~0.0017 rms relative), not of the chunk algebra: with
   every rounding switched off the reference matches the oracle to ~1e-6
   (test_chunk_algebra_without_rounding). Asserted bound: 0.01.
@@ -23,7 +23,7 @@ from jax_kda import oracle, reference
 D = 128
 SCALE = D**-0.5
 LOWER_BOUND = -5.0
-OUT_TOL_FLASHKDA_INPUTS = 0.005  # SPEC / FlashKDA tolerance, with FlashKDA's input distribution
+OUT_TOL_FLASHKDA_INPUTS = 0.005  # FlashKDA tolerance, with FlashKDA's input distribution
 OUT_TOL_NORMAL_INPUTS = 0.01
 STATE_TOL = 0.01
 
@@ -348,7 +348,7 @@ def test_neumann_and_stable_agree_on_random_keys():
 def test_collinear_keys_stable_accurate_neumann_not():
     """16 identical keys, no decay, b ~ 1: stable stays accurate; Neumann's f16 series breaks down.
 
-    Observed in this emulation: Neumann finite but ~100% wrong (SPEC reports NaN/Inf on the GPU).
+    Observed in this emulation: Neumann finite but ~100% wrong (FlashKDA reports NaN/Inf on the GPU).
     """
     rng = np.random.default_rng(12)
     T, H = 32, 8

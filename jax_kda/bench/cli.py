@@ -1,7 +1,7 @@
 """`python -m jax_kda.bench`: time jax_kda's kernels (and others) over a set of cases.
 
 Examples:
-  python -m jax_kda.bench                                  # BASELINES.md cases on a GPU
+  python -m jax_kda.bench                                  # the baseline cases on a GPU
   python -m jax_kda.bench --seqlen 8192 --heads 96,12,6 --compare fla --compare flashkda
   python -m jax_kda.bench --variants recurrence --block-v 32,64,128,auto --seqlen 8192 --heads 6
   python -m jax_kda.bench --block-v 16,32,baseline --total-block-v baseline,auto  # baseline kernel too
@@ -42,7 +42,7 @@ DEFAULT_TOTAL_BLOCK_V = "128,auto"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jax_kda.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("cases (default: the BASELINES preset with kernels, else 'tiny')")
+    g = p.add_argument_group("cases (default: the baselines preset with kernels, else 'tiny')")
     g.add_argument("--preset", choices=sorted(cases_mod.PRESETS),
                    help="a named set of cases; combined with the cases below if both are given")
     g.add_argument("--seqlen", help="comma-separated sequence lengths T, e.g. 8192,2048")

@@ -1,4 +1,4 @@
-"""Issue 4's launch-heuristic measurement: the recurrence alone, every block_v, heads x sequences.
+"""The launch-heuristic measurement: the recurrence alone, every block_v, heads x sequences.
 
 T tokens per sequence (default 8192), N equal sequences packed (varlen layout, as the kernels see
 every call). Inputs are drawn on the GPU with jax.random (host-side numpy would spend minutes on the
@@ -6,8 +6,8 @@ largest cases); the workspace comes from the prepare kernel once per (N, H). Eac
 as a jit chain of dependent calls (state fed forward), medians of --repeats samples, all in this
 one process. Writes one JSON with every row plus what jax_kda._launch.choose_block_v picks.
 
-  python scripts/heuristic_grid.py --out grid.json [--seqs 1,2,4,8] [--heads 1,2,...]
-  python scripts/heuristic_grid.py --markdown grid.json   # the BENCHMARKS.md table (no GPU needed)
+  python benchmarks/heuristic_grid.py --out grid.json [--seqs 1,2,4,8] [--heads 1,2,...]
+  python benchmarks/heuristic_grid.py --markdown grid.json   # the BENCHMARKS.md table (no GPU needed)
 """
 
 from __future__ import annotations

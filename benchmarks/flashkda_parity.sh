@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Issue 3 item 7 on the GPU machine: build FlashKDA v1 there and compare jax_kda with it bitwise
-# (scripts/compare_flashkda.py). FlashKDA's code never enters this repository: its sources travel
-# in the git-ignored .carry/ext/ (carry it), made on the CPU machine from public mirrors:
-#   git -C FlashKDA archive --prefix=FlashKDA/ 1ce47ea | gzip > .carry/ext/flashkda-1ce47ea.tar.gz
+# (benchmarks/compare_flashkda.py). FlashKDA's code never enters this repository: its sources travel
+# in the git-ignored .external/, made from the public repositories:
+#   git -C FlashKDA archive --prefix=FlashKDA/ 1ce47ea | gzip > .external/flashkda-1ce47ea.tar.gz
 #   git -C cutlass archive --prefix=FlashKDA/cutlass/ <FlashKDA's submodule commit> include \
-#       tools/util/include examples/common | gzip > .carry/ext/cutlass-<commit>-headers.tar.gz
-#   FlashKDA 1ce47ea tests/torch_ref.py  -> .carry/ext/flashkda_torch_ref_1ce47ea.py (neumann mirror)
-#   vLLM's FlashKDA fork 3b225bf tests/torch_ref.py -> .carry/ext/vllm_torch_ref_3b225bf.py (stable)
+#       tools/util/include examples/common | gzip > .external/cutlass-<commit>-headers.tar.gz
+#   FlashKDA 1ce47ea tests/torch_ref.py  -> .external/flashkda_torch_ref_1ce47ea.py (neumann mirror)
+#   vLLM's FlashKDA fork 3b225bf tests/torch_ref.py -> .external/vllm_torch_ref_3b225bf.py (stable)
 # Needs jax_kda importable (PYTHONPATH) and torch + nvcc on the machine.
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
-EXT="$REPO/.carry/ext"
+EXT="$REPO/.external"
 OUT="${OUT:-$REPO/gpu_out}"; mkdir -p "$OUT"
 work="${FLASHKDA_DIR:-/tmp/flashkda}"  # kept: h200_session.sh's bench stage imports the build from here
 mkdir -p "$work"
@@ -25,5 +25,5 @@ refs=()
 [[ -f "$EXT/vllm_torch_ref_3b225bf.py" ]] && refs+=(--stable-ref "$EXT/vllm_torch_ref_3b225bf.py")
 [[ -f "$EXT/flashkda_torch_ref_1ce47ea.py" ]] && refs+=(--neumann-ref "$EXT/flashkda_torch_ref_1ce47ea.py")
 (cd /tmp && PYTHONPATH="$work/FlashKDA:${PYTHONPATH:-}" timeout "${PARITY_TIMEOUT:-240}" \
-  python3 "$REPO/scripts/compare_flashkda.py" "${refs[@]}" --json "$OUT/flashkda_parity.json")
+  python3 "$REPO/benchmarks/compare_flashkda.py" "${refs[@]}" --json "$OUT/flashkda_parity.json")
 echo "parity exit $?"

@@ -1,11 +1,11 @@
-"""Bit-compatibility check against FlashKDA (issue 3, item 7), run on the GPU machine.
+"""Bit-compatibility check against FlashKDA run on a GPU machine where FlashKDA is built.
 
 Compares jax_kda's kernels, bit for bit, with
   - FlashKDA v1 (MoonshotAI/FlashKDA 1ce47ea) built on the machine: the neumann inverse;
   - the bit-exact PyTorch mirror of the stable inverse (vLLM's FlashKDA fork, tests/torch_ref.py at
     3b225bf) and FlashKDA v1's own torch_ref.py (neumann), where their paths are given.
 Their code is not part of this repository: pass the built package on PYTHONPATH and the two
-torch_ref files as --stable-ref / --neumann-ref (scripts/flashkda_parity.sh does the set-up).
+torch_ref files as --stable-ref / --neumann-ref (benchmarks/flashkda_parity.sh does the set-up).
 
 Prints, per case and per comparison, the fraction of bit-equal elements and the largest distance in
 bf16 ulps for out and the final state; writes the same as JSON. Exit status 1 if any comparison

@@ -1,4 +1,4 @@
-"""Head-sharded KDA prefill on every visible GPU (issue 7): bitwise check + timing per GPU count.
+"""Head-sharded KDA prefill on every visible GPU: bitwise check + timing per GPU count.
 
 For each GPU count d in 1, 2, 4, ... up to the visible count: heads H = 12 * d_max (and 48 * d_max)
 sharded over a mesh of d GPUs. Checks that the sharded result equals a single-GPU call on all heads, bit for bit,
