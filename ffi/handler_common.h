@@ -94,3 +94,19 @@ inline std::string CheckGateAttrs(const char* call, float scale, float lower_bou
 // Exported symbols: the library is built with -fvisibility=hidden and a version script
 // (exports.map), so each is declared visible before the XLA macro defines it.
 #define JAX_KDA_EXPORT extern "C" __attribute__((visibility("default")))
+
+// The three stage handlers of one custom call, exported as NAME{Instantiate,Initialize,Execute}
+// from jax_kda::FN{Instantiate,Initialize,Execute} with the bindings FN##InstantiateBinding() and
+// FN##Binding<stage>(); execute is command-buffer (CUDA graph) safe.
+#define JAX_KDA_HANDLERS(NAME, FN)                                                          \
+  JAX_KDA_EXPORT XLA_FFI_Error* NAME##Instantiate(XLA_FFI_CallFrame*);                      \
+  JAX_KDA_EXPORT XLA_FFI_Error* NAME##Initialize(XLA_FFI_CallFrame*);                       \
+  JAX_KDA_EXPORT XLA_FFI_Error* NAME##Execute(XLA_FFI_CallFrame*);                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME##Instantiate, jax_kda::FN##Instantiate,                \
+                                jax_kda::FN##InstantiateBinding());                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                            \
+      NAME##Initialize, jax_kda::FN##Initialize,                                            \
+      jax_kda::FN##Binding<xla::ffi::ExecutionStage::kInitialize>());                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME##Execute, jax_kda::FN##Execute,                        \
+                                jax_kda::FN##Binding<xla::ffi::ExecutionStage::kExecute>(), \
+                                {xla::ffi::Traits::kCmdBufferCompatible});

@@ -197,30 +197,8 @@ auto RecurrenceInstantiateBinding() {
 }  // namespace
 }  // namespace jax_kda
 
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Instantiate(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Initialize(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaPrepareV1Execute(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrenceV1Instantiate(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrenceV1Initialize(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrenceV1Execute(XLA_FFI_CallFrame*);
-
-using xla::ffi::ExecutionStage;
-using xla::ffi::Traits;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaPrepareV1Instantiate, jax_kda::PrepareInstantiate,
-                              jax_kda::PrepareInstantiateBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaPrepareV1Initialize, jax_kda::PrepareInitialize,
-                              jax_kda::PrepareBinding<ExecutionStage::kInitialize>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaPrepareV1Execute, jax_kda::PrepareExecute,
-                              jax_kda::PrepareBinding<ExecutionStage::kExecute>(),
-                              {Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrenceV1Instantiate, jax_kda::RecurrenceInstantiate,
-                              jax_kda::RecurrenceInstantiateBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrenceV1Initialize, jax_kda::RecurrenceInitialize,
-                              jax_kda::RecurrenceBinding<ExecutionStage::kInitialize>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrenceV1Execute, jax_kda::RecurrenceExecute,
-                              jax_kda::RecurrenceBinding<ExecutionStage::kExecute>(),
-                              {Traits::kCmdBufferCompatible});
+JAX_KDA_HANDLERS(JaxKdaPrepareV1, Prepare)
+JAX_KDA_HANDLERS(JaxKdaRecurrenceV1, Recurrence)
 
 // Which specialisations this library holds, as "name,name,..." (for tests and diagnostics).
 JAX_KDA_EXPORT const char* jax_kda_ffi_kernels() {

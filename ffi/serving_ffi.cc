@@ -124,32 +124,21 @@ ffi::Error RecurrencePoolRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error RecurrencePoolInitialize(cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
-                                    ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::U8> workspace,
-                                    ffi::Buffer<ffi::S32> cu, ffi::Buffer<ffi::S32> indices,
-                                    ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer pool,
-                                    ffi::AnyBuffer checkpoints,
-                                    ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                                    ffi::Result<ffi::AnyBuffer> pool_out,
-                                    ffi::Result<ffi::AnyBuffer> checkpoints_out, int32_t block_v,
-                                    int32_t checkpoint_chunks) {
-  return RecurrencePoolRun(false, stream, v, beta, workspace, cu, indices, offsets, pool,
-                           checkpoints, out, pool_out, checkpoints_out, block_v,
-                           checkpoint_chunks);
-}
+#define JAX_KDA_POOL_PARAMS                                                                 \
+  cudaStream_t stream, ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> beta,               \
+      ffi::Buffer<ffi::U8> workspace, ffi::Buffer<ffi::S32> cu, ffi::Buffer<ffi::S32> indices, \
+      ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer pool, ffi::AnyBuffer checkpoints,         \
+      ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::AnyBuffer> pool_out,          \
+      ffi::Result<ffi::AnyBuffer> checkpoints_out, int32_t block_v, int32_t checkpoint_chunks
+#define JAX_KDA_POOL_ARGS                                                                    \
+  stream, v, beta, workspace, cu, indices, offsets, pool, checkpoints, out, pool_out,         \
+      checkpoints_out, block_v, checkpoint_chunks
 
-ffi::Error RecurrencePoolExecute(cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
-                                 ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::U8> workspace,
-                                 ffi::Buffer<ffi::S32> cu, ffi::Buffer<ffi::S32> indices,
-                                 ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer pool,
-                                 ffi::AnyBuffer checkpoints,
-                                 ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                                 ffi::Result<ffi::AnyBuffer> pool_out,
-                                 ffi::Result<ffi::AnyBuffer> checkpoints_out, int32_t block_v,
-                                 int32_t checkpoint_chunks) {
-  return RecurrencePoolRun(true, stream, v, beta, workspace, cu, indices, offsets, pool,
-                           checkpoints, out, pool_out, checkpoints_out, block_v,
-                           checkpoint_chunks);
+ffi::Error RecurrencePoolInitialize(JAX_KDA_POOL_PARAMS) {
+  return RecurrencePoolRun(false, JAX_KDA_POOL_ARGS);
+}
+ffi::Error RecurrencePoolExecute(JAX_KDA_POOL_PARAMS) {
+  return RecurrencePoolRun(true, JAX_KDA_POOL_ARGS);
 }
 
 template <ffi::ExecutionStage stage>
@@ -317,28 +306,5 @@ auto DecodeInstantiateBinding() {
 }  // namespace
 }  // namespace jax_kda
 
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrencePoolV1Instantiate(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrencePoolV1Initialize(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaRecurrencePoolV1Execute(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaDecodeV1Instantiate(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaDecodeV1Initialize(XLA_FFI_CallFrame*);
-JAX_KDA_EXPORT XLA_FFI_Error* JaxKdaDecodeV1Execute(XLA_FFI_CallFrame*);
-
-using xla::ffi::ExecutionStage;
-using xla::ffi::Traits;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrencePoolV1Instantiate,
-                              jax_kda::RecurrencePoolInstantiate,
-                              jax_kda::RecurrencePoolInstantiateBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrencePoolV1Initialize, jax_kda::RecurrencePoolInitialize,
-                              jax_kda::RecurrencePoolBinding<ExecutionStage::kInitialize>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaRecurrencePoolV1Execute, jax_kda::RecurrencePoolExecute,
-                              jax_kda::RecurrencePoolBinding<ExecutionStage::kExecute>(),
-                              {Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaDecodeV1Instantiate, jax_kda::DecodeInstantiate,
-                              jax_kda::DecodeInstantiateBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaDecodeV1Initialize, jax_kda::DecodeInitialize,
-                              jax_kda::DecodeBinding<ExecutionStage::kInitialize>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxKdaDecodeV1Execute, jax_kda::DecodeExecute,
-                              jax_kda::DecodeBinding<ExecutionStage::kExecute>(),
-                              {Traits::kCmdBufferCompatible});
+JAX_KDA_HANDLERS(JaxKdaRecurrencePoolV1, RecurrencePool)
+JAX_KDA_HANDLERS(JaxKdaDecodeV1, Decode)

@@ -119,11 +119,33 @@ def check_options(fn: str, inverse: str, backend: str) -> None:
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def _check_token_arrays(fn: str, arrays: dict, shape: tuple[int, ...], lead: str) -> None:
+    """q, k, v, g bf16 `shape` and beta bf16 shape[:3]; lead names the leading axes ("B, T")."""
+    for name, x in arrays.items():
+        if name == "beta":
+            _expect_dtype(fn, name, x, (jnp.bfloat16,))
+            _expect_shape(fn, name, x, shape[:3], f"[{lead}, H]")
+        else:
+            _expect_dtype(fn, name, x, (jnp.bfloat16,))
+            _expect_shape(fn, name, x, shape, f"[{lead}, H, 128] like q")
+
+
 def _check_head_params(fn: str, A_log, dt_bias, heads: int) -> None:
     _expect_dtype(fn, "A_log", A_log, (jnp.float32,))
     _expect_shape(fn, "A_log", A_log, (heads,), "[H]")
     _expect_dtype(fn, "dt_bias", dt_bias, (jnp.float32,))
     _expect_shape(fn, "dt_bias", dt_bias, (heads, HEAD_DIM), "[H, 128]")
+
+
+def _check_pool(fn: str, name: str, pool, heads: int) -> int:
+    """A state pool [P, H, 128, 128] with P >= 1; returns P."""
+    shape = _shape_of(fn, name, pool)
+    if len(shape) != 4 or shape[1:] != (heads, HEAD_DIM, HEAD_DIM) or shape[0] < 1:
+        raise ValueError(
+            f"{fn}: with state_indices, {name} is a pool of shape [P, H, 128, 128] = (P, {heads}, "
+            f"128, 128) with P >= 1, got {shape}"
+        )
+    return shape[0]
 
 
 def _check_state_indices(fn: str, state_indices, num_seqs: int, pool_rows: int) -> None:
@@ -151,11 +173,8 @@ def check_prefill(
         raise ValueError(
             f"{fn}: head dim must be {HEAD_DIM} (the last axis of q, k, v, g), got {D}"
         )
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _expect_dtype(fn, name, x, (jnp.bfloat16,))
-        _expect_shape(fn, name, x, (B, T, H, HEAD_DIM), "[B, T, H, 128] like q")
-    _expect_dtype(fn, "beta", beta, (jnp.bfloat16,))
-    _expect_shape(fn, "beta", beta, (B, T, H), "[B, T, H]")
+    _check_token_arrays(fn, {"q": q, "k": k, "v": v, "g": g, "beta": beta},
+                        (B, T, H, HEAD_DIM), "B, T")
     _check_head_params(fn, A_log, dt_bias, H)
     scale, lower_bound = _check_scalars(fn, scale, lower_bound)
     _check_bool(fn, "output_final_state", output_final_state)
@@ -192,13 +211,7 @@ def check_prefill(
             _expect_shape(fn, "initial_state", initial_state, (N, H, HEAD_DIM, HEAD_DIM),
                           "[N, H, 128, 128] (N = number of sequences)")
         else:
-            shape = _shape_of(fn, "initial_state", initial_state)
-            if len(shape) != 4 or shape[1:] != (H, HEAD_DIM, HEAD_DIM) or shape[0] < 1:
-                raise ValueError(
-                    f"{fn}: with state_indices, initial_state is a pool of shape [P, H, 128, "
-                    f"128] = (P, {H}, 128, 128) with P >= 1, got {shape}"
-                )
-            pool_rows = shape[0]
+            pool_rows = _check_pool(fn, "initial_state", initial_state, H)
             _check_state_indices(fn, state_indices, N, pool_rows)
     if checkpoint_every is not None:
         if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Integral)
@@ -231,11 +244,8 @@ def check_decode(
         )
     if N < 1:
         raise ValueError(f"{fn}: N (sequences, axis 0 of q) must be >= 1, got {N}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _expect_dtype(fn, name, x, (jnp.bfloat16,))
-        _expect_shape(fn, name, x, (N, t, H, HEAD_DIM), "[N, t, H, 128] like q")
-    _expect_dtype(fn, "beta", beta, (jnp.bfloat16,))
-    _expect_shape(fn, "beta", beta, (N, t, H), "[N, t, H]")
+    _check_token_arrays(fn, {"q": q, "k": k, "v": v, "g": g, "beta": beta},
+                        (N, t, H, HEAD_DIM), "N, t")
     _check_head_params(fn, A_log, dt_bias, H)
     scale, lower_bound = _check_scalars(fn, scale, lower_bound)
     _check_bool(fn, "output_intermediate_states", output_intermediate_states)
@@ -247,11 +257,8 @@ def check_decode(
     if state_indices is None:
         _expect_shape(fn, "state", state, (N, H, HEAD_DIM, HEAD_DIM),
                       "[N, H, 128, 128] (one state per sequence; pass state_indices for a pool)")
-    elif len(shape) != 4 or shape[1:] != (H, HEAD_DIM, HEAD_DIM) or shape[0] < 1:
-        raise ValueError(
-            f"{fn}: with state_indices, state is a pool of shape [P, H, 128, 128] = (P, {H}, "
-            f"128, 128) with P >= 1, got {shape}"
-        )
+    else:
+        _check_pool(fn, "state", state, H)
     if state_indices is not None:
         _check_state_indices(fn, state_indices, N, shape[0])
     return DecodeProblem(N, t, H, shape[0], state_indices is not None, np.dtype(state.dtype),

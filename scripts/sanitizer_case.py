@@ -1,5 +1,6 @@
-"""A small KDA prefill for compute-sanitizer (memcheck/racecheck): varlen (an empty sequence, a
-partial last chunk), every block_v and the baseline recurrence, both inverses."""
+"""Small KDA calls for compute-sanitizer (memcheck/racecheck): varlen prefill (an empty sequence,
+a partial last chunk), every block_v and the baseline recurrence, both inverses; then a state pool
+prefill with checkpoints and decode steps with padding and out-of-range pool indices."""
 
 import jax
 import jax.numpy as jnp
@@ -26,3 +27,23 @@ for inverse in ("stable", "neumann"):
                                       output_final_state=True, backend="kernel", **which)
         jax.block_until_ready((out, st))
 print("sanitizer case ran", out.shape, st.shape)
+
+# Serving: pool prefill with checkpoints and decode steps, indices that are padding (negative),
+# out of range (>= P, only caught at run time under jit) and in range, bf16 and f32 pools.
+P = 4
+idx = jnp.asarray([2, -1, 7, 0], jnp.int32)  # 7 >= P: padding under jit
+prefill = jax.jit(lambda a, pool, idx: jax_kda.kda_prefill(
+    **a, cu_seqlens=jnp.asarray(cu), initial_state=pool, state_indices=idx,
+    output_final_state=True, checkpoint_every=16, backend="kernel"))
+step = {name: x[:, :12].reshape((4, 3) + x.shape[2:]) for name, x in args.items()
+        if name in ("q", "k", "v", "g", "beta")}
+for dtype in (jnp.bfloat16, jnp.float32):
+    pool = jnp.asarray(rng.standard_normal((P, H, 128, 128), dtype=np.float32), dtype)
+    out, pool, ckpts = jax.block_until_ready(prefill(args, pool, idx))
+    for inverse in ("stable", "neumann"):
+        for intermediate in (False, True):
+            result = jax.block_until_ready(jax.jit(lambda s, pool, idx: jax_kda.kda_decode(
+                **s, A_log=args["A_log"], dt_bias=args["dt_bias"], state=pool, state_indices=idx,
+                inverse=inverse, output_intermediate_states=intermediate, backend="kernel"))(
+                    step, pool, idx))
+print("sanitizer serving case ran", ckpts.shape, result[0].shape)
