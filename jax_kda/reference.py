@@ -225,8 +225,11 @@ def fma_f32(a, b, c):
 # ----------------------------------------------------------------------------- kernel 1: prepare
 
 
-def l2_normalize_bf16(x):
-    """Prepare step 1 (docs/numerics.md) on [..., 128]: per-row L2 normalisation, result bf16."""
+def l2_inverse_norm(x):
+    """1 / sqrt(|x|^2 + 1e-6) per row of [..., 128], f32, in prepare step 1's summation order.
+
+    Shared with the fp32 mode (reference_fp32), which keeps x * inv in f32 instead of rounding it.
+    """
     xf = _f32(x)
     sq = (xf * xf).reshape(xf.shape[:-1] + (16, 8))  # squares of bf16 values are exact in f32
     partial = sq[..., 0]
@@ -234,13 +237,38 @@ def l2_normalize_bf16(x):
         partial = partial + sq[..., i]
     for width in (8, 4, 2, 1):  # xor butterfly: lane i adds lane i ^ width
         partial = partial[..., :width] + partial[..., width:]
-    inv = lax.rsqrt(partial[..., 0] + np.float32(1e-6))
-    return _store_bf16(xf * inv[..., None])
+    return lax.rsqrt(partial[..., 0] + np.float32(1e-6))
+
+
+def l2_normalize_bf16(x):
+    """Prepare step 1 (docs/numerics.md) on [..., 128]: per-row L2 normalisation, result bf16."""
+    return _store_bf16(_f32(x) * l2_inverse_norm(x)[..., None])
 
 
 def _strict_lower(n):
     r = np.arange(n)
     return r[:, None] > r[None, :]
+
+
+def forward_substitution_inverse(lmat):
+    """(I + L)^-1 in f32 for strictly lower-triangular L [..., n, n] (zero on and above the diagonal).
+
+    Prepare step 6's in-place substitution (docs/numerics.md): column s ends up holding -L's
+    eliminations, earlier columns get fmaf updates. The stable inverse runs it on its two 8x8 blocks,
+    the fp32 mode (reference_fp32) on the whole 16x16 matrix.
+    """
+    n = lmat.shape[-1]
+    rows, cols = np.arange(n)[:, None], np.arange(n)[None, :]
+
+    def step(s, inv):  # one rolled loop (the unrolled one takes seconds to compile at n = 16)
+        below = rows > s
+        r = -lax.dynamic_index_in_dim(inv, s, axis=-1, keepdims=True)  # [..., n, 1]: -inv[i][s]
+        pivot = lax.dynamic_index_in_dim(inv, s, axis=-2, keepdims=True)  # [..., 1, n]: row s
+        inv = jnp.where(below & (cols < s), fma_f32(r, pivot, inv), inv)
+        return jnp.where(below & (cols == s), r, inv)
+
+    inv = lax.fori_loop(0, n - 1, step, lmat)
+    return inv + jnp.eye(n, dtype=jnp.float32)
 
 
 def _stable_inverse(kd_s, ki, b):
@@ -252,13 +280,7 @@ def _stable_inverse(kd_s, ki, b):
     half = CHUNK // 2
     # The two 8x8 diagonal blocks, side by side on a new axis: [..., 2, 8, 8].
     blocks = jnp.stack([lmat[..., :half, :half], lmat[..., half:, half:]], axis=-3)
-    for s in range(half - 1):  # in place: column s holds -L, earlier columns get fmaf updates
-        r = -blocks[..., s + 1:, s]
-        if s > 0:
-            upd = fma_f32(r[..., :, None], blocks[..., s:s + 1, :s], blocks[..., s + 1:, :s])
-            blocks = blocks.at[..., s + 1:, :s].set(upd)
-        blocks = blocks.at[..., s + 1:, s].set(r)
-    blocks_inv = _round_bf16(blocks + jnp.eye(half, dtype=jnp.float32))
+    blocks_inv = _round_bf16(forward_substitution_inverse(blocks))
     a_inv, b_inv = blocks_inv[..., 0, :, :], blocks_inv[..., 1, :, :]
 
     # P = blockdiag(a_inv, b_inv), M = [[0, 0], [bf16(L21), 0]]: only the lower-left block of P.M
@@ -290,6 +312,26 @@ def _neumann_inverse(kd_s, ki, b):
     return _store_bf16(inv)
 
 
+def gate_cumsum(g, A_log, dt_bias, lower_bound, valid):
+    """Prepare step 2 (docs/numerics.md): G_r, the f32 running sum of the log2 gates, [..., 16, 128].
+
+    gate = lower_bound log2(e) * sigmoid((g + dt_bias) * 2^(A_log log2 e)), 0 on invalid rows.
+    Shared with the fp32 mode (reference_fp32), whose gates are the same.
+    """
+    decay_rate = ex2_ftz(_f32(A_log) * _LOG2E)[..., None, None]
+    x = (_f32(g) + _f32(dt_bias)[..., None, :]) * decay_rate
+    # f32(f64(lower_bound) * log2(e)): the kernels form the gate scale in double precision
+    gate_scale = np.float32(np.float64(np.float32(lower_bound)) * np.log2(np.e))
+    gate = jnp.where(valid[..., None], gate_scale * sigmoid_tanh(x), 0.0)
+    gate = lax.optimization_barrier(gate)  # the product is rounded before the running sum
+    running = gate[..., 0, :]
+    cumulative = [running]
+    for r in range(1, CHUNK):  # sequential running sum over the rows
+        running = running + gate[..., r, :]
+        cumulative.append(running)
+    return jnp.stack(cumulative, axis=-2)
+
+
 def prepare_reference(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound, inverse="stable",
                       valid=None) -> ChunkWorkspace:
     """the prepare step (docs/numerics.md) on chunked inputs.
@@ -309,24 +351,12 @@ def prepare_reference(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound, inve
     qn = _f32(l2_normalize_bf16(jnp.where(rows, q, jnp.zeros((), q.dtype))))
     kn = _f32(l2_normalize_bf16(jnp.where(rows, k, jnp.zeros((), k.dtype))))
 
-    # Gate (step 2): x = (g + dt_bias) * 2^(A_log log2 e); gate = lower_bound log2(e) * sigmoid(x).
-    decay_rate = ex2_ftz(_f32(A_log) * _LOG2E)[..., None, None]
-    x = (_f32(g) + _f32(dt_bias)[..., None, :]) * decay_rate
-    # f32(f64(lower_bound) * log2(e)): the kernels form the gate scale in double precision
-    gate_scale = np.float32(np.float64(np.float32(lower_bound)) * np.log2(np.e))
-    gate = jnp.where(rows, gate_scale * sigmoid_tanh(x), 0.0)
-    gate = lax.optimization_barrier(gate)  # the product is rounded before the running sum
-    running = gate[..., 0, :]
-    cumulative = [running]
-    for r in range(1, CHUNK):  # sequential running sum over the rows
-        running = running + gate[..., r, :]
-        cumulative.append(running)
-    G = jnp.stack(cumulative, axis=-2)  # [..., 16, 128]
+    G = gate_cumsum(g, A_log, dt_bias, lower_bound, valid)
 
     # Step 3: decayed keys and queries.
     e = _round_bf16(ex2_ftz(G))
     ei = _round_bf16(ex2_ftz(-G))
-    gt = ex2_ftz(running)
+    gt = ex2_ftz(G[..., -1, :])
     e_s = e * _SUB_SCALE
     qd_s = _round_bf16_scaled(_round_bf16_scaled(qn * e_s) * _round_bf16(jnp.float32(scale)))
     kd_s = _round_bf16_scaled(kn * e_s)
@@ -477,6 +507,28 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
     A_log = _f32(A_log)
     dt_bias = _f32(dt_bias)
 
+    def run_chunks(q, k, v, g, beta, valid):
+        return _prefill_chunked(q, k, v, g, beta, valid, A_log, dt_bias, state0, **kwargs)
+
+    out, lengths, final_state, *states = chunked_prefill(run_chunks, q, k, v, g, beta, cu_seqlens)
+    if checkpoint_every is None:
+        return out, final_state
+    return out, final_state, _pack_checkpoints(states[0], lengths, checkpoint_every, capacity)
+
+
+def chunked_prefill(run_chunks, q, k, v, g, beta, cu_seqlens):
+    """Cut [B, T, H, ...] inputs (T > 0) into sequence chunks, run `run_chunks`, put its out back.
+
+    The layout half of the prefill, shared by both numerics modes (this module and reference_fp32).
+    run_chunks(q, k, v, g, beta, valid) gets [N, H, C, 16, ...] arrays whose rows past a sequence
+    end are zero (valid False there) and returns (out [N, H, C, 16, 128], *rest). Without cu_seqlens
+    each batch row is one sequence; with it (B == 1, values possibly traced) the values are clamped
+    into [0, T], end < start counts as empty, and every sequence is padded to ceil(T / 16) chunks.
+    Returns (out [B, T, H, 128] with tokens covered by no sequence 0, lengths int32 [N], *rest).
+    """
+    B, T, H, D = q.shape
+    num_chunks = -(-T // CHUNK)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if cu_seqlens is None:
         pad = num_chunks * CHUNK - T
 
@@ -486,9 +538,8 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
 
         valid = jnp.broadcast_to((jnp.arange(num_chunks * CHUNK) < T).reshape(num_chunks, CHUNK),
                                  (B, H, num_chunks, CHUNK))
-        out, final_state, *states = _prefill_chunked(
-            chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta), valid,
-            A_log, dt_bias, state0, **kwargs)
+        out, *rest = run_chunks(
+            chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta), valid)
         out = jnp.moveaxis(out, 1, 3).reshape(B, num_chunks * CHUNK, H, D)[:, :T]
         lengths = jnp.full((B,), T, jnp.int32)
     else:
@@ -507,12 +558,9 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
             return _sequence_major(jnp.where(mask, rows, jnp.zeros((), x.dtype)))
 
         valid = jnp.broadcast_to(in_seq[:, None], (N, H, num_chunks, CHUNK))
-        out, final_state, *states = _prefill_chunked(
-            gathered(q), gathered(k), gathered(v), gathered(g), gathered(beta), valid,
-            A_log, dt_bias, state0, **kwargs)
+        out, *rest = run_chunks(
+            gathered(q), gathered(k), gathered(v), gathered(g), gathered(beta), valid)
         out = jnp.moveaxis(out, 1, 3)  # [N, C, 16, H, D]
         target = jnp.where(in_seq, token, T)  # T is out of range: those rows are dropped
         out = jnp.zeros((T, H, D), out.dtype).at[target].set(out, mode="drop")[None]
-    if checkpoint_every is None:
-        return out, final_state
-    return out, final_state, _pack_checkpoints(states[0], lengths, checkpoint_every, capacity)
+    return out, lengths, *rest
