@@ -327,3 +327,197 @@ def test_plot_of_nothing_measured_is_skipped_with_a_reason(tmp_path):
     rows = _rows(["a"], {"a": {"prepare": None}})
     why = report.write_plot(tmp_path / "x.png", [{"name": "a"}], ["prepare"], rows, None, "t")
     assert why and not (tmp_path / "x.png").exists()
+
+
+# --- decode cases --------------------------------------------------------------------------------
+
+DECODE_CASES = {"decode3x2_t1_bf16_P5", "decode3x2_t1_f32_P5", "decode2x1_t2_bf16_P4",
+                "decode2x1_t2_f32_P4"}
+
+
+@pytest.fixture(scope="module")
+def decode_run(tmp_path_factory):
+    """The command end to end on tiny decode cases (pools larger than N, both state dtypes):
+    the reference is timed, the kernel variants and the torch peer are skipped with a reason."""
+    out = tmp_path_factory.mktemp("bench_decode")
+    cmd = [sys.executable, "-m", "jax_kda.bench", "--decode", "3,2", "--decode", "2,1,2",
+           "--pool-extra", "2", "--variants", "reference,decode,decode_prefill",
+           "--compare", "fla", "--repeats", "2", "--warmup", "0", "--inner", "2",
+           "--out", str(out), "--tag", "dec", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    # --pool-extra 2 gives P = N + 2 for both shapes
+    return out, done
+
+
+def test_decode_command_prints_the_decode_table(decode_run):
+    _, done = decode_run
+    assert done.returncode == 0, done.stdout + done.stderr
+    header = next(ln for ln in done.stdout.splitlines() if ln.startswith("case "))
+    assert header.split()[:6] == ["case", "state", "MB", "floor", "us", "reference"], header
+    for name in DECODE_CASES:
+        assert name in done.stdout
+    assert "floor = state bytes / 4.3 TB/s" in done.stdout
+    row = next(ln for ln in done.stdout.splitlines() if ln.startswith("decode3x2_t1_bf16"))
+    assert "TB/s" in row
+
+
+def test_decode_json_has_floors_and_bandwidth(decode_run):
+    out, _ = decode_run
+    data = json.loads((out / "dec.json").read_text())
+    assert {c["name"] for c in data["cases"]} == DECODE_CASES
+    assert data["meta"]["decode_baseline"] == "decode" and data["meta"]["copy_tb_s"] == 4.3
+    got = {(r["case"], r["variant"]): r for r in data["results"]}
+    assert set(got) == {(c, v) for c in DECODE_CASES
+                        for v in ("reference", "decode", "decode_prefill", "fla")}
+    for (case, variant), r in got.items():
+        c = cases.DecodeCase(r["num_seqs"], r["heads"], r["tokens_per_seq"], r["state_dtype"],
+                             r["pool_rows"])
+        assert c.name == case and r["pool_rows"] == r["num_seqs"] + 2
+        assert r["state_bytes"] == 2 * r["num_seqs"] * r["heads"] * 128 * 128 * c.state_itemsize
+        assert r["floor_us"] == pytest.approx(r["state_bytes"] / 4.3e12 * 1e6)
+        if variant == "reference":
+            assert r["status"] == "ok", r
+            assert r["inner"] == 2 and len(r["samples_us"]) == 2
+            assert r["achieved_tb_s"] == pytest.approx(r["state_bytes"] / (r["median_us"] * 1e-6)
+                                                       / 1e12)
+            assert r["of_copy_rate"] == pytest.approx(r["floor_us"] / r["median_us"])
+            assert "donated pool" in r["timer"]
+        else:  # no GPU kernels, no torch here
+            assert r["status"] == "skipped" and r["error"], r
+            assert "achieved_tb_s" not in r and r["ratio_vs_baseline"] is None
+
+
+def test_decode_preset_dry_run_lists_the_decode_table():
+    done = subprocess.run([sys.executable, "-m", "jax_kda.bench", "--preset", "decode",
+                           "--variants", "decode,decode_prefill,reference", "--compare", "fla",
+                           "--dry-run"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    listed = re.findall(r"case (decode\S+): decode N=(\d+) heads=(\d+) t=(\d+) pool_rows=(\d+) "
+                        r"state=(\w+)", done.stdout)
+    want = [(n, h, t, d) for n, h, t in ((64, 12, 1), (256, 12, 1), (1024, 12, 1), (256, 96, 1),
+                                         (256, 12, 4)) for d in ("bf16", "f32")]
+    assert [(int(n), int(h), int(t), d) for _, n, h, t, _, d in listed] == want
+    assert all(p == n for _, n, _, _, p, _ in listed)  # P = N
+    assert "variants: decode, decode_prefill, reference, fla (baseline decode)" in done.stdout
+
+
+def test_decode_preset_is_the_decode_table_and_defaults_to_the_decode_variants():
+    from jax_kda.bench import cli
+
+    preset = cases.decode_cases()
+    assert [c.name for c in preset] == [
+        f"decode{n}x{h}_t{t}_{d}" for n, h, t in ((64, 12, 1), (256, 12, 1), (1024, 12, 1),
+                                                   (256, 96, 1), (256, 12, 4))
+        for d in ("bf16", "f32")]
+    assert preset[0].state_bytes == 64 * 12 * 128 * 128 * 2 * 2  # bf16, read + written
+    args = cli._parser().parse_args(["--preset", "decode", "--compare", "fla"])
+    variants = cli._variants(args, True, preset)
+    assert [v.name for v in variants] == ["decode", "decode_prefill", "fla"]
+    assert cli._baselines(args, preset, variants) == {"decode": "decode"}
+    mixed = preset[:1] + [cases.Case((64,), 2)]
+    variants = cli._variants(cli._parser().parse_args([]), True, mixed)
+    assert [v.kind for v in variants][-2:] == ["decode", "decode_prefill"]
+    assert cli._baselines(cli._parser().parse_args([]), mixed, variants) == {
+        "prefill": "total:bv=128", "decode": "decode"}
+
+
+def test_decode_cases_are_checked():
+    for bad in ({"num_seqs": 0, "heads": 1}, {"num_seqs": 2, "heads": 1, "tokens_per_seq": 17},
+                {"num_seqs": 2, "heads": 1, "state_dtype": "f16"},
+                {"num_seqs": 4, "heads": 1, "pool_rows": 3}):
+        with pytest.raises(ValueError):
+            cases.DecodeCase(**bad)
+    assert cases.parse_decode("256,12") == (256, 12, 1)
+    done = subprocess.run([sys.executable, "-m", "jax_kda.bench", "--decode", "4,2",
+                           "--state-dtype", "f16", "--dry-run"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode != 0 and "--state-dtype" in done.stderr
+
+
+def test_decode_inputs_index_distinct_pool_rows():
+    from jax_kda.bench import inputs
+
+    case = cases.DecodeCase(5, 2, 3, "f32", pool_rows=9)
+    x = inputs.make_inputs(case, seed=1)
+    assert x["q"].shape == (5, 3, 2, 128) and x["beta"].shape == (5, 3, 2)
+    assert x["pool"].shape == (9, 2, 128, 128)
+    idx = x["state_indices"]
+    assert idx.dtype.name == "int32" and len(set(idx.tolist())) == 5 and idx.min() >= 0
+    assert idx.max() < 9
+    full = inputs.make_inputs(cases.DecodeCase(6, 1), seed=1)["state_indices"]
+    assert sorted(full.tolist()) == list(range(6))  # P = N: a permutation of the pool
+    j = inputs.to_jax(x, case)
+    assert j["pool"].dtype == jnp.float32 and j["q"].dtype == jnp.bfloat16
+    assert inputs.to_jax(x, cases.DecodeCase(5, 2, 3, "bf16", 9))["pool"].dtype == jnp.bfloat16
+
+
+def test_decode_and_decode_prefill_steps_agree_and_chain_in_place():
+    """The two jax_kda steps compute the same step (bitwise, as kda_decode promises), here on the
+    reference; the timed chain donates the pool, runs every step, and leaves other rows alone."""
+    from jax_kda.bench import decode_variants, inputs, jax_variants
+
+    case = cases.DecodeCase(3, 2, 2, "bf16", pool_rows=5)
+    x = inputs.to_jax(inputs.make_inputs(case), case)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["pool"],
+            x["state_indices"])
+    out_d, pool_d = decode_variants.decode_step("reference")(*args)
+    out_p, pool_p = decode_variants.prefill_step("reference")(*args)
+    assert jnp.array_equal(out_d, out_p) and jnp.array_equal(pool_d, pool_p)
+
+    fn, fn_args, feedback, _ = decode_variants.build(jax_variants.Variant("reference"), case, x,
+                                                     inverse="stable")
+    donated = fn_args[decode_variants.POOL]
+    assert donated is not x["pool"]  # each variant donates its own copy
+    chained = decode_variants.chain(fn, 3, feedback)(*fn_args)
+    assert donated.is_deleted()
+    step_args = args
+    for _ in range(3):
+        outs = fn(*step_args)
+        step_args = feedback(step_args, outs)
+    assert jnp.array_equal(outs[1], chained[1]) and jnp.array_equal(outs[0], chained[0])
+    untouched = jnp.asarray(sorted(set(range(5)) - set(x["state_indices"].tolist())))
+    assert jnp.array_equal(chained[1][untouched], x["pool"][untouched])
+    assert not jnp.array_equal(chained[1], x["pool"])
+
+
+@pytest.mark.parametrize("kind,targets", [
+    ("decode", {"jax_kda_decode_v1": 3}),
+    ("decode_prefill", {"jax_kda_prepare_v1": 3, "jax_kda_recurrence_pool_v1": 3})])
+def test_decode_variants_lower_to_chained_custom_calls_on_a_donated_pool(monkeypatch, kind,
+                                                                         targets):
+    """What the GPU timing compiles: R chained steps, each its custom calls, the pool argument
+    donated into the pool result."""
+    from jax_kda import api
+    from jax_kda.bench import decode_variants, inputs, jax_variants
+
+    monkeypatch.setattr(decode_variants, "kernels_status", lambda: (True, ""))
+    monkeypatch.setattr(decode_variants, "decode_kernels_status", lambda: (True, ""))
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)  # no GPU here; lowering only
+    case = cases.DecodeCase(3, 2, 2, "f32", pool_rows=5)
+    x = inputs.to_jax(inputs.make_inputs(case), case)
+    fn, args, feedback, _ = decode_variants.build(jax_variants.Variant(kind), case, x,
+                                                  inverse="stable")
+    text = (decode_variants.chain(fn, 3, feedback).trace(*args)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    for target in ("jax_kda_decode_v1", "jax_kda_prepare_v1", "jax_kda_recurrence_pool_v1",
+                   "jax_kda_recurrence_v1"):
+        assert text.count(f"@{target}") == targets.get(target, 0), target
+    assert re.findall(r"tf\.aliasing_output = (\d+)", text) == ["1"]  # pool in -> pool out
+
+
+def test_decode_table_shows_floor_and_bandwidth():
+    from jax_kda.bench import decode_variants
+
+    c = cases.DecodeCase(64, 12).as_dict()
+    rows = [{"case": c["name"], "variant": "decode", "status": "ok", "median_us": 25.0,
+             "state_bytes": c["state_bytes"]},
+            {"case": c["name"], "variant": "fla", "status": "ok", "median_us": 50.0,
+             "state_bytes": c["state_bytes"]}]
+    report.add_ratios(rows, "decode")
+    decode_variants.add_floors(rows)
+    assert rows[0]["achieved_tb_s"] == pytest.approx(c["state_bytes"] / 25e-6 / 1e12)
+    text = decode_variants.format_table([c], ["decode", "fla"], rows, "decode")
+    line = next(ln for ln in text.splitlines() if ln.startswith(c["name"]))
+    assert f"{c['state_bytes'] / 4.3e12 * 1e6:.1f}" in line  # the floor, 11.7 us
+    assert f"25.0 (1.00x) {rows[0]['achieved_tb_s']:.2f} TB/s" in line
+    assert f"50.0 (0.50x) {rows[1]['achieved_tb_s']:.2f} TB/s" in line

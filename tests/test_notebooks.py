@@ -82,7 +82,8 @@ def _images(nb) -> int:
 
 
 def test_the_notebooks_exist():
-    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "column_split.ipynb"}
+    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "column_split.ipynb",
+                                           "serving.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -105,6 +106,26 @@ def test_runs_top_to_bottom_on_cpu(path, monkeypatch, tmp_path):
     if path.name == "column_split.ipynb":
         assert "No GPU benchmark results found" in text  # says so instead of failing
         assert len(figures) == 1  # the SM-occupancy figure only
+    if path.name == "serving.ipynb":
+        _assert_serving_held(text)
+
+
+def _assert_serving_held(text: str) -> None:
+    """What serving.ipynb proves: (a) a checkpoint found by checkpoint_offsets is bitwise a
+    shorter prefill's state, in every layer; (b) the greedy decode loop ran on the pool, updated
+    in place, free slots untouched; (c) token-by-token decode reached the prefill's states."""
+    assert "backend='auto' runs: the pure-JAX reference" in text  # CPU
+    assert "offsets: [0, 2, 3, 6]" in text  # (40-1)//16, (23-1)//16, (57-1)//16 checkpoints
+    assert "per layer: [True, True]" in text and "checkpoint == prefill: True" in text
+    decoded = re.findall(r"request (\d) \(slot (\d)\): \.\.\.\[[\d, ]+\] -> \[([\d, ]+)\]", text)
+    assert [(r, s) for r, s, _ in decoded] == [("0", "3"), ("1", "0"), ("2", "4")], decoded
+    assert all(len(tokens.split(",")) == 8 for _, _, tokens in decoded)
+    assert "pool updated in place: True" in text and "free slots untouched: True" in text
+    errors = re.search(r"relative RMSE of the final states, per layer: ([-+.e\d, ]+) \(bound "
+                       r"1e-02\)", text)
+    assert errors, text
+    assert all(0 < float(e) <= 1e-2 for e in errors.group(1).split(","))
+    assert "token by token == prefill within the bound: True" in text
 
 
 def _synthetic_gpu_results(folder: pathlib.Path) -> None:

@@ -1,4 +1,5 @@
-"""Benchmark cases: which sequence lengths and head counts to time."""
+"""Benchmark cases: which sequence lengths and head counts to time (prefill), and which decode
+steps (N sequences x H heads, t new tokens each, states in a pool)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class Case:
             raise ValueError(f"layout must be 'batched' or 'varlen', got {self.layout!r}")
         if self.layout == "batched" and len(set(self.seq_lens)) != 1:
             raise ValueError(f"a batched case needs equal lengths, got {self.seq_lens}")
+
+    kind = "prefill"  # a class constant: DecodeCase's is "decode"
 
     @property
     def num_seqs(self) -> int:
@@ -63,6 +66,89 @@ class Case:
         }
 
 
+STATE_DTYPES = {"bf16": "bfloat16", "f32": "float32"}  # short name -> numpy / JAX dtype name
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decode step: N sequences x H heads, t new tokens each (kda_decode's [N, t, H, 128]),
+    their states rows of a pool of P >= N rows (bf16 or f32), picked by state_indices.
+
+    The step reads and writes N states of H x 128 x 128 elements: state_bytes, whose time at the
+    copy rate is the floor of any decode step on the case."""
+
+    num_seqs: int
+    heads: int
+    tokens_per_seq: int = 1
+    state_dtype: str = "bf16"  # a key of STATE_DTYPES
+    pool_rows: int = 0  # P; 0 means P = N
+
+    layout = "decode"
+    kind = "decode"
+
+    def __post_init__(self):
+        if self.num_seqs < 1 or self.heads < 1:
+            raise ValueError(f"a decode case needs N >= 1 sequences and H >= 1 heads, got "
+                             f"N={self.num_seqs}, H={self.heads}")
+        if not 1 <= self.tokens_per_seq <= 16:
+            raise ValueError(f"a decode step takes 1 <= t <= 16 tokens per sequence, got "
+                             f"{self.tokens_per_seq}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state dtype must be one of {sorted(STATE_DTYPES)}, got "
+                             f"{self.state_dtype!r}")
+        if self.pool_rows == 0:
+            object.__setattr__(self, "pool_rows", self.num_seqs)
+        if self.pool_rows < self.num_seqs:
+            raise ValueError(f"the pool needs P >= N = {self.num_seqs} rows, got {self.pool_rows}")
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return (self.tokens_per_seq,) * self.num_seqs
+
+    @property
+    def tokens(self) -> int:
+        return self.num_seqs * self.tokens_per_seq
+
+    @property
+    def state_itemsize(self) -> int:
+        return {"bf16": 2, "f32": 4}[self.state_dtype]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of state a step must move: N states of H x 128 x 128, read once, written once."""
+        return 2 * self.num_seqs * self.heads * 128 * 128 * self.state_itemsize
+
+    @property
+    def name(self) -> str:
+        pool = "" if self.pool_rows == self.num_seqs else f"_P{self.pool_rows}"
+        return (f"decode{self.num_seqs}x{self.heads}_t{self.tokens_per_seq}_{self.state_dtype}"
+                f"{pool}")
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name, "case_kind": "decode", "seq_lens": list(self.seq_lens),
+            "heads": self.heads, "layout": self.layout, "num_seqs": self.num_seqs,
+            "tokens": self.tokens, "tokens_per_seq": self.tokens_per_seq,
+            "pool_rows": self.pool_rows, "state_dtype": self.state_dtype,
+            "state_bytes": self.state_bytes,
+        }
+
+
+# The decode table: (N, H, t), each with a bf16 and an f32 pool of P = N rows.
+DECODE_SHAPES = ((64, 12, 1), (256, 12, 1), (1024, 12, 1), (256, 96, 1), (256, 12, 4))
+
+
+def decode_cases() -> list[DecodeCase]:
+    """Decode steps of a serving batch: 64 to 1024 sequences at 12 heads (a TP8 shard of
+    Kimi-K3), 256 at 96 heads, and 4 tokens per step (speculative verify), bf16 and f32 pools."""
+    return [DecodeCase(n, h, t, dtype) for n, h, t in DECODE_SHAPES for dtype in ("bf16", "f32")]
+
+
+def decode_tiny_cases() -> list[DecodeCase]:
+    """Decode steps that run in seconds on a CPU with the reference (one pool larger than N)."""
+    return [DecodeCase(3, 2, 1, "bf16", pool_rows=5), DecodeCase(2, 1, 3, "f32")]
+
+
 def baseline_cases() -> list[Case]:
     """The cases of the baseline measurements: T=8192 over a head sweep, varlen mixes, T=32768 and T=2048."""
     cases = [Case((8192,), h) for h in BASELINE_HEADS]
@@ -86,7 +172,8 @@ def baseline_other_cases() -> list[Case]:
     return baseline_cases()[len(BASELINE_HEADS):]
 
 
-PRESETS = {"baselines": baseline_cases, "baselines-other": baseline_other_cases, "tiny": tiny_cases}
+PRESETS = {"baselines": baseline_cases, "baselines-other": baseline_other_cases, "tiny": tiny_cases,
+           "decode": decode_cases, "decode-tiny": decode_tiny_cases}
 
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:
@@ -99,9 +186,30 @@ def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-def build_cases(*, preset, seqlens, heads, num_seqs, layout, varlens) -> list[Case]:
-    """Cases from the command line: a preset, and/or seqlen x heads grids and varlen mixes."""
-    cases: list[Case] = list(PRESETS[preset]()) if preset else []
+def parse_decode(text: str) -> tuple[int, int, int]:
+    """--decode N,H,t (t defaults to 1): N sequences x H heads, t tokens each."""
+    values = parse_int_list(text, "--decode")
+    if len(values) == 2:
+        values += (1,)
+    if len(values) != 3:
+        raise ValueError(f"--decode: expected N,H or N,H,t, got {text!r}")
+    return values
+
+
+def parse_state_dtypes(text: str) -> tuple[str, ...]:
+    values = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [v for v in values if v not in STATE_DTYPES]
+    if bad or not values:
+        raise ValueError(f"--state-dtype: expected a comma-separated subset of "
+                         f"{','.join(STATE_DTYPES)}, got {text!r}")
+    return values
+
+
+def build_cases(*, preset, seqlens, heads, num_seqs, layout, varlens, decodes=(),
+                state_dtypes=("bf16", "f32"), pool_extra=0) -> list:
+    """Cases from the command line: a preset, and/or seqlen x heads grids and varlen mixes, and
+    decode steps (N, H, t) for each state dtype with a pool of N + pool_extra rows."""
+    cases: list = list(PRESETS[preset]()) if preset else []
     if seqlens:
         for T in seqlens:
             for h in heads:
@@ -112,6 +220,11 @@ def build_cases(*, preset, seqlens, heads, num_seqs, layout, varlens) -> list[Ca
     for lens in varlens:
         for h in heads:
             cases.append(Case(tuple(lens), h, "varlen"))
+    if pool_extra < 0:
+        raise ValueError(f"--pool-extra must be >= 0, got {pool_extra}")
+    for n, h, t in decodes:
+        for dtype in state_dtypes:
+            cases.append(DecodeCase(n, h, t, dtype, pool_rows=n + pool_extra))
     unique, seen = [], set()
     for case in cases:
         if case not in seen:

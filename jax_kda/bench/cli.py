@@ -6,6 +6,15 @@ Examples:
   python -m jax_kda.bench --variants recurrence --block-v 32,64,128,auto --seqlen 8192 --heads 6
   python -m jax_kda.bench --block-v 16,32,baseline --total-block-v baseline,auto  # baseline kernel too
   python -m jax_kda.bench --variants reference --seqlen 64 --heads 2   # CPU, tiny
+  python -m jax_kda.bench --preset decode --compare fla    # decode steps on a state pool, GPU
+  python -m jax_kda.bench --decode 256,12,1 --state-dtype bf16 --pool-extra 64
+  python -m jax_kda.bench --preset decode-tiny             # decode on a CPU, with the reference
+
+Decode cases (--preset decode, --decode N,H,t) time one decode step of N sequences x H heads, t
+tokens each, on a state pool (bf16 or f32) picked by a permutation of its rows: `decode` (the
+fused kernel through kda_decode), `decode_prefill` (the same step through kda_prefill on the
+pool), `reference`, and with --compare fla fla's fused_recurrent_kda_fwd; each row shows the
+achieved state bandwidth against the floor, the state read + written at --copy-tb-s.
 
 Results (<tag>.json, .csv, .png) go to --out, by default $XDG_CACHE_HOME/jax_kda/bench
 (~/.cache/jax_kda/bench when XDG_CACHE_HOME is not set), outside any source tree; the command
@@ -24,6 +33,7 @@ import traceback
 from pathlib import Path
 
 from . import cases as cases_mod
+from . import decode_variants
 from .jax_variants import (
     AUTO,
     BASELINE,
@@ -35,6 +45,7 @@ from .jax_variants import (
 from .progress import progress_bar
 from .torch_compare import COMPARE_CHOICES
 
+PREFILL_KINDS = ("prepare", "recurrence", "total")  # the kernel variants of prefill cases
 DEFAULT_BLOCK_V = "16,32,64,128,auto"
 DEFAULT_TOTAL_BLOCK_V = "128,auto"
 
@@ -53,9 +64,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="how --num-seqs > 1 sequences are passed (default: packed with cu_seqlens)")
     g.add_argument("--varlen", action="append", default=[], metavar="L1,L2,...",
                    help="a packed variable-length case (repeatable), e.g. 1300,547,2048,963,271,3063")
+    g.add_argument("--decode", action="append", default=[], metavar="N,H[,t]",
+                   help="a decode case (repeatable): N sequences x H heads, t tokens each "
+                   "(default 1), once per --state-dtype")
+    g.add_argument("--state-dtype", default="bf16,f32",
+                   help="pool dtypes of the --decode cases (default bf16,f32)")
+    g.add_argument("--pool-extra", type=int, default=0,
+                   help="pool rows beyond N for the --decode cases (default 0: P = N)")
     g = p.add_argument_group("what to time")
-    g.add_argument("--variants", help=f"comma-separated subset of {','.join(KINDS)} (default: "
-                   "prepare,recurrence,total with kernels, else reference)")
+    g.add_argument("--variants", help="comma-separated subset of "
+                   f"{','.join(KINDS + decode_variants.KINDS)} (default: prepare,recurrence,total "
+                   "for prefill cases and decode,decode_prefill for decode cases with kernels, "
+                   "else reference)")
     g.add_argument("--block-v", default=DEFAULT_BLOCK_V,
                    help=f"block_v values for 'recurrence' (default {DEFAULT_BLOCK_V}; "
                    "128 = one CTA per head, auto = the launch heuristic, baseline = the baseline "
@@ -64,10 +84,11 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"block_v values for 'total' (default {DEFAULT_TOTAL_BLOCK_V}; "
                    "also auto and baseline)")
     g.add_argument("--compare", action="append", default=[], choices=COMPARE_CHOICES,
-                   help="also time fla's chunk_kda or FlashKDA through torch (repeatable)")
+                   help="also time fla's chunk_kda or FlashKDA through torch (repeatable); on "
+                   "decode cases fla is its fused_recurrent_kda_fwd on the same pool")
     g.add_argument("--baseline", help="variant the ratios are relative to (default total:bv=128 "
-                   "when timed, else the first variant), e.g. total:bv=baseline for the baseline "
-                   "kernel")
+                   "when timed, else the first variant; on decode cases decode, else the first), "
+                   "e.g. total:bv=baseline for the baseline kernel")
     g.add_argument("--inverse", choices=("stable", "neumann"), default="stable")
     g = p.add_argument_group("timing")
     g.add_argument("--repeats", type=int, default=20, help="samples per variant (median; default 20)")
@@ -78,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(default 5 on GPU, 0 = off on CPU)")
     g.add_argument("--torch-inner", type=int, default=10, help="calls per CUDA graph for torch")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--copy-tb-s", type=float, default=decode_variants.COPY_TB_S,
+                   help="copy rate (read + write, TB/s) of the decode floor (default "
+                   f"{decode_variants.COPY_TB_S}, an H200)")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=None,
                    help="output folder (default $XDG_CACHE_HOME/jax_kda/bench, else "
@@ -111,12 +135,21 @@ def _parse_block_v(text: str, what: str) -> list[int | str]:
     return values
 
 
-def _variants(args, kernels_ok: bool) -> list[Variant]:
-    kinds = ([s.strip() for s in args.variants.split(",") if s.strip()] if args.variants
-             else (["prepare", "recurrence", "total"] if kernels_ok else ["reference"]))
-    unknown = [k for k in kinds if k not in KINDS]
+def _variants(args, kernels_ok: bool, cases=()) -> list[Variant]:
+    if args.variants:
+        kinds = [s.strip() for s in args.variants.split(",") if s.strip()]
+    elif not kernels_ok:
+        kinds = ["reference"]
+    else:
+        kinds = []
+        if any(c.kind == "prefill" for c in cases) or not cases:
+            kinds += list(PREFILL_KINDS)
+        if any(c.kind == "decode" for c in cases):
+            kinds += list(decode_variants.KINDS)
+    known = KINDS + decode_variants.KINDS
+    unknown = [k for k in kinds if k not in known]
     if unknown:
-        raise ValueError(f"--variants: unknown {unknown}; choose from {KINDS}")
+        raise ValueError(f"--variants: unknown {unknown}; choose from {known}")
     out: list[Variant] = []
     for kind in kinds:
         if kind == "recurrence":
@@ -133,12 +166,16 @@ def _cases(args, kernels_ok: bool):
     heads = cases_mod.parse_int_list(args.heads, "--heads") if args.heads else None
     seqlens = cases_mod.parse_int_list(args.seqlen, "--seqlen") if args.seqlen else ()
     varlens = [cases_mod.parse_int_list(v, "--varlen") for v in args.varlen]
+    decodes = [cases_mod.parse_decode(d) for d in args.decode]
     preset = args.preset
-    if not preset and not seqlens and not varlens:
+    if not preset and not seqlens and not varlens and not decodes:
         preset = "baselines" if kernels_ok else "tiny"
     default_heads = cases_mod.BASELINE_HEADS if seqlens else (96,)
     return cases_mod.build_cases(preset=preset, seqlens=seqlens, heads=heads or default_heads,
-                                 num_seqs=args.num_seqs, layout=args.layout, varlens=varlens)
+                                 num_seqs=args.num_seqs, layout=args.layout, varlens=varlens,
+                                 decodes=decodes,
+                                 state_dtypes=cases_mod.parse_state_dtypes(args.state_dtype),
+                                 pool_extra=args.pool_extra)
 
 
 def _device_meta() -> dict:
@@ -161,6 +198,30 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
 
 
+def _applies(variant: Variant, case) -> bool:
+    """Whether a (case, variant) pair is timed: the prefill kinds on prefill cases, the decode
+    kinds on decode cases; reference and the torch peers on both (a peer without a decode path
+    records why it was skipped)."""
+    if variant.kind in PREFILL_KINDS:
+        return case.kind == "prefill"
+    if variant.kind in decode_variants.KINDS:
+        return case.kind == "decode"
+    return True
+
+
+def _baselines(args, cases, variants) -> dict[str, str | None]:
+    """The variant each kind of case is compared with: --baseline for both, else total:bv=128
+    (prefill) and decode (decode cases) when timed, else the kind's first variant."""
+    out = {}
+    for kind, preferred in (("prefill", "total:bv=128"), ("decode", "decode")):
+        if not any(c.kind == kind for c in cases):
+            continue
+        names = [v.name for v in variants if any(_applies(v, c) for c in cases if c.kind == kind)]
+        out[kind] = args.baseline or (preferred if preferred in names else
+                                      (names[0] if names else None))
+    return out
+
+
 def _run_one(variant, case, np_inputs, jax_inputs, args, timing_opts):
     from . import jax_variants, timing, torch_compare
 
@@ -168,6 +229,11 @@ def _run_one(variant, case, np_inputs, jax_inputs, args, timing_opts):
         fn, notes = torch_compare.BUILDERS[variant.kind](case, np_inputs)
         t = timing.time_torch(fn, repeats=args.repeats, warmup=args.warmup, inner=args.torch_inner)
         return t.summary() | ({"notes": notes} if notes else {})
+    if case.kind == "decode":
+        fn, fn_args, feedback, info = decode_variants.build(variant, case, jax_inputs,
+                                                            inverse=args.inverse)
+        return decode_variants.time_decode(fn, fn_args, feedback, repeats=args.repeats,
+                                           warmup=args.warmup, **timing_opts).summary() | info
     fn, fn_args, feedback, info = jax_variants.build(variant, case, jax_inputs,
                                                      inverse=args.inverse)
     return timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=args.warmup,
@@ -189,13 +255,18 @@ def main(argv=None) -> int:
     on_gpu = jax.default_backend() == "gpu"
     try:
         cases = _cases(args, kernels_ok)
-        variants = _variants(args, kernels_ok)
+        variants = _variants(args, kernels_ok, cases)
     except ValueError as err:
         raise SystemExit(f"python -m jax_kda.bench: {err}") from None
     names = [v.name for v in variants]
-    baseline = args.baseline or ("total:bv=128" if "total:bv=128" in names else names[0])
-    if baseline not in names:
-        raise SystemExit(f"--baseline {baseline!r} is not among the variants {names}")
+    if args.baseline and args.baseline not in names:
+        raise SystemExit(f"--baseline {args.baseline!r} is not among the variants {names}")
+    baselines = _baselines(args, cases, variants)
+    baseline = baselines.get("prefill", baselines.get("decode"))
+    pairs = [(c, v) for c in cases for v in variants if _applies(v, c)]
+    if not pairs:
+        raise SystemExit(f"python -m jax_kda.bench: none of the variants {names} runs on these "
+                         "cases (prefill kinds time prefill cases, decode kinds decode cases)")
     timing_opts = {"inner": args.inner or (4 if on_gpu else 1),
                    "min_chain_ms": args.min_chain_ms if args.min_chain_ms is not None
                    else (5.0 if on_gpu else 0.0)}
@@ -205,13 +276,28 @@ def main(argv=None) -> int:
           f"{'available' if kernels_ok else kernels_why}", flush=True)
     if args.dry_run:
         for c in cases:
-            print(f"  case {c.name}: seq_lens={list(c.seq_lens)} heads={c.heads} layout={c.layout}")
-        print("  variants: " + ", ".join(names) + f" (baseline {baseline})")
+            if c.kind == "decode":
+                print(f"  case {c.name}: decode N={c.num_seqs} heads={c.heads} "
+                      f"t={c.tokens_per_seq} pool_rows={c.pool_rows} state={c.state_dtype}")
+            else:
+                print(f"  case {c.name}: seq_lens={list(c.seq_lens)} heads={c.heads} "
+                      f"layout={c.layout}")
+        text = f"baseline {baseline}"
+        if "decode" in baselines and "prefill" in baselines:
+            text += f"; decode cases: {baselines['decode']}"
+        print("  variants: " + ", ".join(names) + f" ({text})")
+        for kind in ("prefill", "decode"):
+            timed = [v.name for v in variants if any(_applies(v, c) for c in cases
+                                                     if c.kind == kind)]
+            if kind in baselines and len(baselines) > 1:
+                print(f"  {kind} cases time: " + ", ".join(timed))
         print(f"  results would go to {(args.out or default_out_dir()).expanduser().absolute()}")
         return 0
 
     meta = _device_meta() | {
         "inverse": args.inverse, "baseline": baseline, "kernels_available": kernels_ok,
+        **({"decode_baseline": baselines["decode"], "copy_tb_s": args.copy_tb_s}
+           if "decode" in baselines else {}),
         "kernels_unavailable_reason": kernels_why or None, "repeats": args.repeats,
         "warmup": args.warmup, "seed": args.seed, "variants": names,
     }
@@ -228,11 +314,11 @@ def main(argv=None) -> int:
           flush=True)
 
     results = []
-    bar = progress_bar(len(cases) * len(variants), enabled=not args.no_progress)
+    bar = progress_bar(len(pairs), enabled=not args.no_progress)
     for done, case in enumerate(cases, start=1):
         np_inputs = make_inputs(case, seed=args.seed)
-        jax_inputs = to_jax(np_inputs)
-        for variant in variants:
+        jax_inputs = to_jax(np_inputs, case)
+        for variant in (v for c, v in pairs if c is case):
             bar.set_description(f"{case.name} {variant.name}")
             row = case.as_dict() | {"case": case.name, "variant": variant.name,
                                     "kind": variant.kind, "block_v": variant.block_v}
@@ -246,19 +332,29 @@ def main(argv=None) -> int:
                 row |= {"status": "error", "error": f"{type(err).__name__}: {err}"}
                 traceback.print_exc(file=sys.stderr)
             results.append(row)
+            decode_variants.add_floors([row], args.copy_tb_s)
             bar.update(1)
             if args.no_progress:  # one line per measurement instead of the bar
                 print(f"  {case.name:28s} {variant.name:22s} "
-                      + (f"{row['median_us']:10.1f} us" if "median_us" in row else row["status"]),
+                      + (f"{row['median_us']:10.1f} us" if "median_us" in row else row["status"])
+                      + (f" {row['achieved_tb_s']:6.2f} TB/s" if "achieved_tb_s" in row else ""),
                       flush=True)
             # after every measurement, so that a run cut short by a time limit keeps all it measured
             write_json(paths["json"], meta, [c.as_dict() for c in cases[:done]], results)
         del jax_inputs
     bar.close()
 
-    add_ratios(results, baseline)
     case_dicts = [c.as_dict() for c in cases]
-    print(format_table(case_dicts, names, results, baseline))
+    for kind, base in baselines.items():
+        kind_names = {c.name for c in cases if c.kind == kind}
+        add_ratios([r for r in results if r["case"] in kind_names], base)
+        timed = [v.name for v in variants if any(_applies(v, c) for c in cases if c.kind == kind)]
+        dicts = [d for d, c in zip(case_dicts, cases) if c.kind == kind]
+        kind_results = [r for r in results if r["case"] in kind_names]
+        if kind == "decode":
+            print(decode_variants.format_table(dicts, timed, kind_results, base, args.copy_tb_s))
+        else:
+            print(format_table(dicts, timed, kind_results, base))
 
     write_json(paths["json"], meta, case_dicts, results)
     write_csv(paths["csv"], results)
@@ -266,8 +362,9 @@ def main(argv=None) -> int:
     if args.no_plot:
         pass
     else:
+        what = " and ".join(k for k in ("prefill", "decode") if k in baselines)
         why_not = write_plot(paths["png"], case_dicts, names, results, baseline,
-                             f"jax_kda prefill on {meta['device_kind']} ({meta['date_utc'][:10]})")
+                             f"jax_kda {what} on {meta['device_kind']} ({meta['date_utc'][:10]})")
         if why_not:
             print(f"plot skipped: {why_not}")
         else:

@@ -12,6 +12,8 @@ CSV_FIELDS = (
     "case", "variant", "kind", "block_v", "block_v_used", "heads", "num_seqs", "tokens", "layout",
     "seq_lens", "status", "median_us", "min_us", "p20_us", "p80_us", "mean_us", "repeats", "inner",
     "ratio_vs_baseline", "timer", "error",
+    # decode cases
+    "state_dtype", "tokens_per_seq", "pool_rows", "floor_us", "achieved_tb_s",
 )
 
 

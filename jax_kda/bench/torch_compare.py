@@ -3,6 +3,9 @@
 Both receive the same numbers as jax_kda (the case's numpy inputs): bf16 q/k/v/g/beta, f32 A_log
 and dt_bias, lower_bound -5, scale 128**-0.5, a bf16 initial state (f32 for fla, which keeps its
 state in f32), the final state requested, and cu_seqlens for varlen cases.
+
+On a decode case, "fla" is fla's decode kernel, fused_recurrent_kda_fwd, on the case's pool (bf16
+or f32, the same rows and the same state_indices as jax_kda's), updated in place.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from .cases import Case
+from .cases import Case, DecodeCase
 from .jax_variants import VariantUnavailable
 
 COMPARE_CHOICES = ("fla", "flashkda")
@@ -53,7 +56,9 @@ def _tensors(case: Case, x: dict):
     }
 
 
-def build_fla(case: Case, x: dict) -> tuple[Callable, dict]:
+def build_fla(case: Case | DecodeCase, x: dict) -> tuple[Callable, dict]:
+    if case.kind == "decode":
+        return build_fla_decode(case, x)
     ok, why = torch_status()
     if not ok:
         raise VariantUnavailable(why)
@@ -94,7 +99,66 @@ def build_fla(case: Case, x: dict) -> tuple[Callable, dict]:
     return run, notes
 
 
-def build_flashkda(case: Case, x: dict) -> tuple[Callable, dict]:
+def build_fla_decode(case: DecodeCase, x: dict) -> tuple[Callable, dict]:
+    """fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd on the case's pool, in place: the N
+    sequences packed ([1, N*t, H, 128], cu_seqlens = t * arange(N + 1)), the pool [P, H, V, K]
+    (state_v_first: jax_kda's layout) in the case's dtype, ssm_state_indices the case's rows.
+
+    fla writes the state after every token to ssm_state_indices[n, i] (for t > 1 an [N, t]
+    array, each row the sequence's pool row t times): it moves t state writes per step."""
+    ok, why = torch_status()
+    if not ok:
+        raise VariantUnavailable(why)
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception as err:
+        raise VariantUnavailable("fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd is not "
+                                 f"importable ({err})") from err
+    import torch
+
+    dev = torch.device("cuda")
+    N, t = case.num_seqs, case.tokens_per_seq
+
+    def packed(name):
+        a = torch.from_numpy(x[name]).to(device=dev, dtype=torch.bfloat16)
+        return a.reshape((1, N * t) + a.shape[2:]).contiguous()
+
+    q, k, v, g, beta = (packed(name) for name in ("q", "k", "v", "g", "beta"))
+    state_dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[case.state_dtype]
+    pool = torch.from_numpy(x["pool"]).to(device=dev, dtype=state_dtype).contiguous()
+    rows = torch.from_numpy(x["state_indices"]).to(device=dev, dtype=torch.int32)
+    indices = rows if t == 1 else rows[:, None].expand(N, t).contiguous()
+    kwargs = {
+        "A_log": torch.from_numpy(x["A_log"]).to(dev),
+        "dt_bias": torch.from_numpy(x["dt_bias"]).to(dev),
+        "initial_state": pool, "scale": 128**-0.5, "output_final_state": True,
+        "inplace_final_state": True, "state_v_first": True,
+        "cu_seqlens": torch.arange(N + 1, dtype=torch.long, device=dev) * t,
+        "ssm_state_indices": indices, "use_qk_l2norm_in_kernel": True,
+        "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True, "lower_bound": -5.0,
+    }
+    params = inspect.signature(fused_recurrent_kda_fwd).parameters
+    missing = [key for key in ("inplace_final_state", "state_v_first", "ssm_state_indices",
+                               "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "lower_bound")
+               if key not in params]
+    if missing:
+        raise VariantUnavailable(f"this fla's fused_recurrent_kda_fwd has no {', '.join(missing)}")
+    if "out" in params:  # written in place too, so the timed calls allocate nothing
+        kwargs["out"] = torch.empty_like(v)
+    notes = {"state": f"{case.state_dtype} pool updated in place"}
+    if t > 1:
+        notes["state_writes"] = f"fla writes the state after each of the {t} tokens"
+
+    def run():
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, **kwargs)
+
+    return run, notes
+
+
+def build_flashkda(case: Case | DecodeCase, x: dict) -> tuple[Callable, dict]:
+    if case.kind == "decode":
+        raise VariantUnavailable("FlashKDA reads no state pool (no state indices); on decode "
+                                 "cases the torch peer is fla's fused_recurrent_kda_fwd")
     ok, why = torch_status()
     if not ok:
         raise VariantUnavailable(why)
