@@ -2,7 +2,8 @@
 # Everything a GPU machine runs in one go: GPU tests, a compute-sanitizer pass on a small shape,
 # then the benchmark with fla alongside. Expects the built wheel in .whl/ (scripts/gpu_roundtrip.sh
 # build) and optional peer wheels and sources in .external/ (both git-ignored).
-#   STAGES: any of "smoke tests sanitizer bench multigpu profile grid parity" (default: tests sanitizer bench)
+#   STAGES: any of "smoke serving tests sanitizer bench multigpu profile grid parity"
+#           (default: tests sanitizer bench)
 #   WHEEL_DIR: where the built wheel is (default .whl)
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -22,6 +23,10 @@ for stage in $STAGES; do
       (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 120 python3 "$REPO/scripts/baseline_smoke.py")
       rc=$?; echo "smoke exit $rc"
       if [[ $rc == 124 ]]; then export PYTEST_ARGS="${PYTEST_ARGS:-} -k not(baseline)"; echo "HUNG: baseline tests deselected"; fi ;;
+    serving)  # seconds-long bitwise check of the serving kernels against the prefill kernels
+      echo "== serving smoke test"
+      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 240 python3 "$REPO/scripts/serving_smoke.py")
+      echo "serving smoke exit $?" ;;
     tests) GPU_TEST_TIMEOUT="${GPU_TEST_TIMEOUT:-330}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu tests ;;
     sanitizer)
       for tool in memcheck racecheck; do
