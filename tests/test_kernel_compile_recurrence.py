@@ -11,8 +11,16 @@
    mma.sync m16n8k16 bf16 and movmatrix instructions, the cubin has no local memory (no spills),
    SASS (when cuobjdump is available) has HMMA.16816.F32.BF16 and MOVM, compile time is small;
    export_to_c works without a GPU.
+3. The serving variant (KdaRecurrence(serving=True), state pools): the swizzled shared state
+   tile's fragment maps give exactly the state registers (ldmatrix.trans) and their B operands
+   (ldmatrix), conflict free; the pool state load / store and the checkpoint store, run as the
+   kernel's own trace-time helpers on kernel_sim.Simt (one Python thread per GPU thread, real
+   barriers and warp collectives), move every value of the slice to the right place and nothing
+   anywhere else (f32 pools: bf16 rounding on entry, exact widening on exit); the checkpoint
+   schedule; compilation of all eight pool specialisations (no spills, expected instructions).
 """
 
+import re
 import subprocess
 import time
 
@@ -23,14 +31,18 @@ pytest.importorskip("cutlass")
 rec = pytest.importorskip("jax_kda.kernels.recurrence")
 from kernel_sim import (
     LANES,
+    Simt,
     build_record,
+    conflict_free,
     cuda_tool,
+    f32_bits_to_bf16,
     frag_of,
     ldmatrix_x4,
     mma_16816,
     movmatrix_trans,
     pack,
     single_cubin,
+    stmatrix_x4_trans,
 )
 
 from jax_kda import contract
@@ -471,3 +483,339 @@ def test_stage_loader_copies_the_right_bytes(block_v, beta_misalign, eos, monkey
     # only then) the synchronous fallback must have been taken for it
     expected = 1 if (beta_misalign == 0 and eos == t_total) else 0
     assert fake.sync_beta_copies == expected
+
+
+# ------------------------------------------------------------------------------------------
+# Serving variant: shared-memory state tile, pool state I/O, checkpoints
+# ------------------------------------------------------------------------------------------
+def _tile_of(S):
+    """A [rows, 128] state slice in the swizzled shared tile (16-bit slots, float64)."""
+    rows = S.shape[0]
+    mem = np.full(rows * 128, np.nan)
+    v, k = np.meshgrid(np.arange(rows), np.arange(128), indexing="ij")
+    mem[rec.state_smem_offset(v, k) // 2] = S
+    return mem
+
+
+@pytest.mark.parametrize("n_tiles", [1, 2, 4])
+def test_state_tile_fragments_are_the_state_registers(n_tiles):
+    """ldmatrix.trans at state_frag_offset gives the accumulator-layout registers
+    state[mt, nt, half] = (S[j, k], S[j + 1, k]) that state_frag_regs names, plain ldmatrix their
+    movmatrix.trans (the B operand), every register exactly once; each 8-lane phase is
+    conflict free."""
+    rng = np.random.default_rng(n_tiles)
+    warps = 2
+    S = rng.standard_normal((warps * 8 * n_tiles, 128))
+    mem = _tile_of(S)
+    for w in range(warps):
+        col_w = w * 8 * n_tiles
+        seen = set()
+        for q in range(rec.state_frag_count(n_tiles)):
+            offs = rec.state_frag_offset(LANES, q, col_w, n_tiles)
+            assert len(set(offs.tolist())) == 32 and (offs % 16 == 0).all()
+            for m in range(4):
+                assert conflict_free(offs[8 * m : 8 * m + 8], 16)
+            acc = ldmatrix_x4(mem, offs, trans=True)
+            bop = ldmatrix_x4(mem, offs)
+            for m, (mt, nt, half) in enumerate(rec.state_frag_regs(q, n_tiles)):
+                seen.add((mt, nt, half))
+                k = mt * 16 + rec.acc_row(LANES, half)
+                j = col_w + nt * 8 + rec.acc_col(LANES)
+                reg = pack(S[j, k], S[j + 1, k])
+                np.testing.assert_array_equal(acc[m], reg)
+                np.testing.assert_array_equal(bop[m], movmatrix_trans(reg))
+        assert seen == {(mt, nt, h) for mt in range(8) for nt in range(n_tiles) for h in (0, 1)}
+
+
+@pytest.mark.parametrize("n_tiles", [1, 2, 4])
+def test_stmatrix_trans_of_the_registers_writes_the_tile(n_tiles):
+    rng = np.random.default_rng(10 + n_tiles)
+    S = rng.standard_normal((8 * n_tiles, 128))
+    mem = np.full(8 * n_tiles * 128, np.nan)
+    for q in range(rec.state_frag_count(n_tiles)):
+        regs = []
+        for mt, nt, half in rec.state_frag_regs(q, n_tiles):
+            k = mt * 16 + rec.acc_row(LANES, half)
+            j = nt * 8 + rec.acc_col(LANES)
+            regs.append(pack(S[j, k], S[j + 1, k]))
+        stmatrix_x4_trans(mem, rec.state_frag_offset(LANES, q, 0, n_tiles), regs)
+    np.testing.assert_array_equal(mem, _tile_of(S))
+
+
+def test_state_tile_offsets_are_a_bijection():
+    v, k = np.meshgrid(np.arange(128), np.arange(128), indexing="ij")
+    offs = rec.state_smem_offset(v, k)
+    assert sorted(offs.reshape(-1).tolist()) == list(range(0, 128 * 256, 2))
+
+
+@pytest.mark.parametrize("esz", [2, 4])
+@pytest.mark.parametrize("block_v", contract.COLUMN_SPLITS)
+def test_state_copy_units_cover_the_slice_once_coalesced_and_conflict_free(esz, block_v):
+    n_warps, n_tiles = rec.warp_split(block_v)
+    n = 32 * n_warps
+    units = block_v * 128 * esz // 16
+    assert units % n == 0 and (8 * n_tiles * 128 * esz // 16) % 32 == 0
+    # CTA-wide load order (_load_state_pool) and per-warp store order (_store_state_pool)
+    for threads, count in ((n, units), (32, 8 * n_tiles * 128 * esz // 16)):
+        seen = set()
+        for i in range(count // threads):
+            idx = np.arange(threads) + i * threads
+            v, k = rec.state_copy_unit(idx, esz)
+            gaddr = (v * 128 + k) * esz
+            # consecutive lanes: consecutive 16-byte global units
+            assert (np.diff(gaddr) == 16).all()
+            saddr = rec.state_smem_offset(v, k)
+            assert conflict_free(saddr, 16 if esz == 2 else 8)
+            seen |= set(zip(v.tolist(), k.tolist()))
+        per = 16 // esz
+        rows = count * 16 // (128 * esz)
+        assert seen == {(v, k) for v in range(rows) for k in range(0, 128, per)}
+
+
+def _cta(block_v, tid, head=1, num_heads=3):
+    n_warps, n_tiles = rec.warp_split(block_v)
+    return rec._Cta(
+        n_tiles=n_tiles,
+        block_v=block_v,
+        nthreads=32 * n_warps,
+        tid=tid,
+        lane=tid % 32,
+        col_w=(tid // 32) * 8 * n_tiles,
+        col_cta=128 - block_v,  # the last slice
+        head=head,
+        num_heads=num_heads,
+    )
+
+
+def _bf16_bits_to_f32(bits):
+    return (np.asarray(bits, np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("block_v", contract.COLUMN_SPLITS)
+def test_pool_state_load_and_store_round_trip_on_the_simt_emulator(
+    state_dtype, block_v, monkeypatch
+):
+    """_load_state_pool then _store_state_pool, the kernel's own helpers, one Python thread per
+    GPU thread: every thread's registers are the accumulator-layout state (bf16; an f32 pool
+    rounded to nearest even on entry), and the slice written back is the bf16 state (widened
+    exactly for f32); nothing outside the slice is read or written."""
+    esz = rec.STATE_ELEM_BYTES[state_dtype]
+    n_warps, n_tiles = rec.warp_split(block_v)
+    nthreads = 32 * n_warps
+    rng = np.random.default_rng(block_v + esz)
+    rows, heads, head, row = 3, 3, 1, 2
+    pool = rng.standard_normal((rows, heads, 128, 128)).astype(np.float32)
+    pool[row, head, 0, :4] = [1 + 2**-8, 1 + 3 * 2**-8, 3e-39, -0.0]  # ties, a subnormal, -0
+    if state_dtype == "bf16":
+        bits = np.array([f32_bits_to_bf16(b) for b in pool.view(np.uint32).reshape(-1)])
+        pool_mem = bits.astype(np.uint16).reshape(pool.shape)
+    else:
+        pool_mem = pool
+    sim = Simt(2 * pool_mem.nbytes + 4096, rec.pool_smem_bytes(block_v) + 16, nthreads)
+    base = sim.place("pool", pool_mem, 256)
+    sim.patch(monkeypatch, rec.ptx)
+    col_cta = 128 - block_v
+    slice_addr = base + ((row * heads + head) * 128 * 128 + col_cta * 128) * esz
+    tile = rec.LOOKAHEAD * rec.stage_layout(block_v)[2]
+    states = {}
+
+    def load(tid):
+        state = [None] * (16 * n_tiles)
+        rec._load_state_pool(_cta(block_v, tid, head, heads), state, tile, slice_addr, esz)
+        states[tid] = state
+
+    sim.run(load)
+    src = pool[row, head]
+    want_bits = np.array(
+        [f32_bits_to_bf16(b) for b in src.view(np.uint32).reshape(-1)]
+    ).reshape(128, 128)
+    if state_dtype == "bf16":
+        want_bits = pool_mem[row, head].astype(np.int64)
+    for tid, state in states.items():
+        lane, col_w = tid % 32, (tid // 32) * 8 * n_tiles
+        for mt in range(8):
+            for nt in range(n_tiles):
+                for half in range(2):
+                    k = mt * 16 + rec.acc_row(lane, half)
+                    j = col_cta + col_w + nt * 8 + rec.acc_col(lane)
+                    want = int(want_bits[j, k]) | (int(want_bits[j + 1, k]) << 16)
+                    assert state[rec.state_reg(mt, nt, half, n_tiles)] == want
+    before = sim.read("pool", pool_mem.dtype, pool_mem.shape)
+
+    def store(tid):
+        rec._store_state_pool(
+            _cta(block_v, tid, head, heads), states[tid], 0, slice_addr, esz, lane=tid % 32
+        )
+
+    sim.run(store)
+    after = sim.read("pool", pool_mem.dtype, pool_mem.shape)
+    expect = before.copy()
+    if state_dtype == "bf16":
+        expect[row, head, col_cta:] = want_bits[col_cta:].astype(np.uint16)
+    else:
+        expect[row, head, col_cta:] = _bf16_bits_to_f32(want_bits[col_cta:])
+    np.testing.assert_array_equal(after.view(np.uint8), expect.view(np.uint8))
+    assert all(
+        slice_addr <= a and a + n <= slice_addr + block_v * 128 * esz
+        for a, n in sim.global_writes
+    )
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("block_v", [16, 64])
+def test_checkpoint_store_writes_the_state_row(state_dtype, block_v, monkeypatch):
+    """_store_checkpoint (kernel helper, Simt): checkpoints[row, head] rows of this CTA's slice
+    get the registers' state (bf16, or widened), nothing else is written."""
+    esz = rec.STATE_ELEM_BYTES[state_dtype]
+    n_warps, n_tiles = rec.warp_split(block_v)
+    nthreads = 32 * n_warps
+    rng = np.random.default_rng(3 * block_v + esz)
+    C, heads, head, row = 4, 3, 2, 1
+    S = rng.integers(0, 2**16, (128, 128)).astype(np.int64)  # bf16 bit patterns
+    dtype = np.uint16 if esz == 2 else np.uint32
+    ck = np.zeros((C, heads, 128, 128), dtype)
+    sim = Simt(ck.nbytes + 4096, 1024, nthreads)
+    base = sim.place("ck", ck, 512)
+    sim.patch(monkeypatch, rec.ptx)
+    col_cta = 128 - block_v
+
+    def body(tid):
+        lane, col_w = tid % 32, (tid // 32) * 8 * n_tiles
+        state = [None] * (16 * n_tiles)
+        for mt in range(8):
+            for nt in range(n_tiles):
+                for half in range(2):
+                    k = mt * 16 + rec.acc_row(lane, half)
+                    j = col_cta + col_w + nt * 8 + rec.acc_col(lane)
+                    state[rec.state_reg(mt, nt, half, n_tiles)] = int(S[j, k]) | (
+                        int(S[j + 1, k]) << 16
+                    )
+        rec._store_checkpoint(_cta(block_v, tid, head, heads), state, base, row, esz)
+
+    sim.run(body)
+    got = sim.read("ck", dtype, ck.shape)
+    want = ck.copy()
+    want[row, head, col_cta:] = S[col_cta:] if esz == 2 else (S[col_cta:] << 16)
+    np.testing.assert_array_equal(got, want)
+
+
+def _checkpoints_written(num_chunks, n16, first_row, C):
+    """The serving kernel's segment loop (kernel_pool), restated on Python ints: [(chunk after
+    which the state is written, checkpoint row)]."""
+    seg = max(n16 if n16 > 0 else num_chunks, 1)
+    num_segs = (num_chunks - 1) // seg + 1 if num_chunks > 0 else 0
+    out, ran = [], []
+    for j in range(num_segs):
+        c0 = j * seg
+        c1 = min(c0 + seg, num_chunks)
+        ran += list(range(c0, c1))
+        row = first_row + j
+        if c1 < num_chunks and 0 <= row < C:
+            out.append((c1 - 1, row))
+    assert ran == list(range(num_chunks)), "the segments must run every chunk once, in order"
+    return out
+
+
+@pytest.mark.parametrize("num_chunks", [0, 1, 2, 3, 7, 8, 9, 16])
+@pytest.mark.parametrize("n16", [-1, 0, 1, 2, 3, 8, 2**31 - 1])
+@pytest.mark.parametrize("first_row,C", [(0, 100), (5, 7), (-2, 100), (0, 0)])
+def test_checkpoint_schedule_is_the_contract(num_chunks, n16, first_row, C):
+    """After chunk c with (c + 1) % n16 == 0 and c + 1 < num_chunks, row offsets[seq] + (c + 1) //
+    n16 - 1 if that is in [0, C); nothing for n16 <= 0."""
+    want = [
+        (c, first_row + (c + 1) // n16 - 1)
+        for c in range(num_chunks)
+        if n16 > 0 and (c + 1) % n16 == 0 and c + 1 < num_chunks
+        and 0 <= first_row + (c + 1) // n16 - 1 < C
+    ]
+    assert _checkpoints_written(num_chunks, n16, first_row, C) == want
+
+
+def test_serving_constructor_and_options():
+    k = rec.KdaRecurrence(64, "f32", serving=True)
+    assert isinstance(k, rec.KdaRecurrencePool) and k.state_elem_bytes == 4
+    assert type(rec.KdaRecurrence(64)) is rec.KdaRecurrence
+    with pytest.raises(ValueError):
+        rec.KdaRecurrence(64, "f32")
+    with pytest.raises(ValueError):
+        rec.KdaRecurrence(64, "f16", serving=True)
+    for bv in contract.COLUMN_SPLITS:
+        _, _, stage = rec.stage_layout(bv)
+        smem = rec.pool_smem_bytes(bv)
+        assert smem >= rec.STAGES * stage and smem >= rec.LOOKAHEAD * stage + bv * 256
+        assert smem % 16 == 0 and smem + 16 <= 227 * 1024
+
+
+POOL_CASES = [(bv, dt, "sm_90a") for bv in contract.COLUMN_SPLITS for dt in ("bf16", "f32")] + [
+    (128, "f32", "sm_100a"),
+    (16, "bf16", "sm_100a"),
+]
+
+
+@pytest.mark.parametrize("block_v,state_dtype,arch", POOL_CASES)
+def test_pool_variant_compiles_without_spills(block_v, state_dtype, arch, tmp_path):
+    compiled = rec.compile_kernel(
+        block_v, arch, state_dtype=state_dtype, serving=True, dump_dir=str(tmp_path)
+    )
+    ptx = compiled.__ptx__
+    _, n_tiles = rec.warp_split(block_v)
+    assert f".target {arch}" in ptx
+    # the prefill kernel's 42 MMAs per n-tile (the chunk loop is emitted once); movmatrix: its 36
+    # per n-tile and 16 per n-tile for the checkpoint store
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 42 * n_tiles
+    assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") == (36 + 16) * n_tiles
+    # state through shared memory: 4 n_tiles ldmatrix.trans in, 4 n_tiles stmatrix.trans out
+    # (plus kr^T: 8 per chunk-operand read, prologue and loop)
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 16 + 4 * n_tiles
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 4 * n_tiles
+    n_load = block_v * 128 * (2 if state_dtype == "bf16" else 4) // 16 // (32 * rec.warp_split(block_v)[0])
+    assert ptx.count("ld.global.v4.b32") == n_load
+    if state_dtype == "f32":
+        assert "cvt.rn.bf16x2.f32" in ptx and "st.global.v2.b32" in ptx
+    assert ".local" not in ptx
+    cuobjdump = cuda_tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not available: PTX checked, cubin resource usage not checked")
+    cubin = single_cubin(str(tmp_path))
+    res = subprocess.run(
+        [cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True
+    )
+    assert "LOCAL:0" in res.stdout and "STACK:0" in res.stdout, res.stdout
+    usage = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", res.stdout)
+    print(f"pool bv{block_v} {state_dtype} {arch}:", usage.group(0) if usage else res.stdout)
+    sass = subprocess.run(
+        [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
+    ).stdout
+    if sass.strip():
+        for op in ("HMMA.16816.F32.BF16", "MOVM.16.MT88", "LDSM.16.MT88.4", "STSM.16.MT88.4"):
+            assert op in sass, op
+        assert "LDL" not in sass and "STL" not in sass
+
+
+def test_pool_variant_export_to_c_argument_order(tmp_path):
+    """The serving variant's exported wrapper: the FFI handler codes against this order."""
+    from jax_kda._aot.build import load_dsl_runtime
+
+    load_dsl_runtime()
+    compiled = rec.compile_kernel(32, "sm_90a", state_dtype="f32", serving=True)
+    prefix = "test_kda_recurrence_pool_f32_bv32_sm90a"
+    compiled.export_to_c(str(tmp_path), prefix, prefix)
+    header = (tmp_path / f"{prefix}.h").read_text()
+    sig = re.search(rf"int32_t cute_dsl_{prefix}_wrapper\(([^)]*)\)", header)
+    assert sig, header
+    names = [p.strip().split()[-1].lstrip("*") for p in sig.group(1).split(",")]
+    assert names == [
+        "module",
+        "mV",
+        "mBeta",
+        "mWorkspace",
+        "mCuSeqlens",
+        "mStateIndices",
+        "mCheckpointOffsets",
+        "mPool",
+        "mOut",
+        "mCheckpoints",
+        "checkpoint_chunks",
+        "stream",
+    ]

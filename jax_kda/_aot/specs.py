@@ -22,29 +22,48 @@ ARCHS_ENV = "JAX_KDA_ARCHS"  # e.g. "sm_90a" to build one architecture only (fas
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    kernel: str  # module in jax_kda/kernels: "prepare" | "recurrence" | "recurrence_baseline"
-    variant: str | int | None  # inverse name (prepare), block_v (recurrence), None (baseline)
+    # module in jax_kda/kernels: "prepare" | "recurrence" | "recurrence_baseline" | "decode"
+    kernel: str
+    # inverse name (prepare, decode), block_v (recurrence), None (baseline)
+    variant: str | int | None
     arch: str  # a key of contract.ARCHS
+    # "bf16" | "f32": a state-pool kernel (the serving recurrence, the decode kernel); None: the
+    # prefill kernels
+    state_dtype: str | None = None
+    intermediate: bool = False  # decode: also writes the state after every token
 
     @property
     def call(self) -> str:
-        """The custom call that launches it: "prepare" or "recurrence" (docs/kernel_abi.md)."""
-        return "prepare" if self.kernel == "prepare" else "recurrence"
+        """The custom call that launches it: "prepare", "recurrence", "recurrence_pool" or
+        "decode" (docs/kernel_abi.md)."""
+        if self.kernel == "recurrence" and self.state_dtype is not None:
+            return "recurrence_pool"
+        return {"prepare": "prepare", "decode": "decode"}.get(self.kernel, "recurrence")
 
     @property
     def options(self) -> dict:
         """Keyword arguments of the kernel module's compile_kernel(arch=..., **options)."""
+        if self.call == "recurrence_pool":
+            return {"block_v": self.variant, "state_dtype": self.state_dtype, "serving": True}
+        if self.kernel == "decode":
+            return {"inverse": self.variant, "state_dtype": self.state_dtype,
+                    "intermediate": self.intermediate}
         return {"prepare": {"inverse": self.variant}, "recurrence": {"block_v": self.variant}}.get(
             self.kernel, {})
 
     @property
     def variant_id(self) -> int:
         """The attribute value the custom call carries for this variant (inverse or block_v)."""
-        if self.kernel == "prepare":
+        if self.kernel in ("prepare", "decode"):
             return contract.INVERSE_IDS[self.variant]
         if self.kernel == "recurrence_baseline":
             return contract.BASELINE_BLOCK_V
         return int(self.variant)
+
+    @property
+    def state_dtype_id(self) -> int:
+        """contract.STATE_DTYPE_IDS of the pool's dtype (state-pool kernels only)."""
+        return contract.STATE_DTYPE_IDS[self.state_dtype]
 
     @property
     def sm(self) -> int:
@@ -53,8 +72,14 @@ class Spec:
     @property
     def prefix(self) -> str:
         """C symbol prefix and file stem of the exported object, unique per specialisation."""
+        arch = self.arch.replace("_", "")
+        if self.call == "recurrence_pool":
+            return f"jax_kda_recurrence_pool_{self.state_dtype}_bv{self.variant}_{arch}"
+        if self.kernel == "decode":
+            states = "_states" if self.intermediate else ""
+            return f"jax_kda_decode_{self.variant}_{self.state_dtype}{states}_{arch}"
         tags = {"prepare": f"_{self.variant}", "recurrence": f"_bv{self.variant}"}
-        return f"jax_kda_{self.kernel}{tags.get(self.kernel, '')}_{self.arch.replace('_', '')}"
+        return f"jax_kda_{self.kernel}{tags.get(self.kernel, '')}_{arch}"
 
 
 def selected_archs() -> tuple[str, ...]:
@@ -76,6 +101,11 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
         specs += [Spec("prepare", inv, arch) for inv in contract.INVERSE_IDS]
         specs += [Spec("recurrence", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs.append(Spec("recurrence_baseline", None, arch))
+        specs += [Spec("recurrence", bv, arch, state_dtype=dt)
+                  for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]
+        specs += [Spec("decode", inv, arch, state_dtype=dt, intermediate=states)
+                  for inv in contract.INVERSE_IDS for dt in contract.STATE_DTYPE_IDS
+                  for states in (False, True)]
     return specs
 
 

@@ -19,6 +19,16 @@ Work split, chosen so that the thread structure is SPEC's rounding order:
   D. Threads 0-63 store INV and Mqk.
 The record is staged in shared memory byte-exact (swizzled rows included);
 about 30 KB of shared memory per CTA, so up to 7 CTAs per SM.
+
+Phases A0-A, B and C minus the global stores are the methods record_inputs,
+record_normalize, record_decays and record_inverse_mqk (a ChunkRecord carries
+what one hands the next); KdaPrepare.kernel calls them in that order around
+its stores, and the fused decode kernel (decode.py) calls the same methods, so
+both build bitwise the same record. Two options exist for the decode kernel
+only, and their defaults emit exactly the prepare kernel's instructions:
+record_inputs(smem_base=...) places the shared memory at RECORD_SMEM offsets
+of a caller's region, record_decays(gt_rows=...) also writes ex2(G_r) of every
+row.
 """
 
 from __future__ import annotations
@@ -60,6 +70,16 @@ D = wl.D
 CHUNK = wl.CHUNK
 NUM_THREADS = 128
 INVERSES = tuple(contract.INVERSE_IDS)
+# Byte offsets of the record build's shared memory when the caller places it
+# (record_inputs(smem_base=...)): the record, the ki tile, the 16 f32 b values and the staging
+# area (normalised q, k and raw g until phase B; phase C's inverse scratch, at most
+# INVERSE_SCRATCH_BYTES, after it), each 128-byte aligned.
+RECORD_SMEM = {"record": 0, "ki": wl.RECORD_BYTES}
+RECORD_SMEM["beta"] = RECORD_SMEM["ki"] + CHUNK * D * 2
+RECORD_SMEM["stage"] = (RECORD_SMEM["beta"] + CHUNK * 4 + 127) // 128 * 128
+RECORD_SMEM_BYTES = RECORD_SMEM["stage"] + 3 * CHUNK * D * 2
+# phase C's scratch in the staging area: stable 6, neumann 9 tiles of 16 x 16 16-bit values
+INVERSE_SCRATCH_BYTES = 9 * CHUNK * CHUNK * 2
 
 
 def _swizzled_tile_layout():
@@ -159,105 +179,16 @@ class KdaPrepare:
         if active:
             row0 = bos + chunk * CHUNK
             n_valid = cutlass.min(eos - row0, CHUNK)
-
-            # ---- A0. issue every global load first (rows past the end re-read the
-            # last valid row, in bounds, and are zeroed afterwards: no branches)
-            group = tid % 16
-            # (half, q/k/g, values), values contiguous so that each load is one 16-byte vector
-            raw = cute.make_rmem_tensor(
-                cute.make_layout((2, 3, 8), stride=(24, 8, 1)), BFloat16
+            rec = self.record_inputs(
+                _PackedRows(row0, head, mBeta), mQ, mK, mG, mALog, mDtBias, head, n_valid, tid
             )
-            for half in cutlass.range_constexpr(2):
-                r = tid // 16 + 8 * half
-                tok = row0 + cutlass.min(r, n_valid - 1)
-                for which, m_x in enumerate((mQ, mK, mG)):
-                    cute.autovec_copy(
-                        cute.local_tile(m_x[tok, head, None], (8,), (group,)),
-                        raw[half, which, None],
-                    )
-            beta_raw = mBeta[row0 + cutlass.min(tid % CHUNK, n_valid - 1), head]
-            col = tid
-            dt = mDtBias[head, col]
-            a_log = mALog[head]
-
-            # ---- shared memory (~30 KB: up to 7 CTAs per SM)
-            smem = SmemAllocator()
-            s_rec = smem.allocate_array(Uint8, wl.RECORD_BYTES, byte_alignment=128)
-            s_kd = _carve(s_rec, wl.KD_OFFSET, BFloat16, _swizzled_tile_layout())
-            s_qd = _carve(s_rec, wl.QD_OFFSET, BFloat16, _swizzled_tile_layout())
-            s_kr = _carve(s_rec, wl.KR_OFFSET, BFloat16, _swizzled_tile_layout())
-            s_gt = _carve(s_rec, wl.GT_OFFSET, Float32, cute.make_layout(D))
-            s_inv = _carve(s_rec, wl.INV_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
-            s_mqk = _carve(s_rec, wl.MQK_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
-            s_ki = smem.allocate_tensor(
-                BFloat16, _swizzled_tile_layout(), byte_alignment=128
-            )
-            # normalised q, k and raw g live until phase B; phase C reuses the bytes
-            s_stage = smem.allocate_array(Uint8, 3 * CHUNK * D * 2, byte_alignment=128)
-            s_qn = _carve(s_stage, 0, BFloat16, _row_major(CHUNK, D))
-            s_kn = _carve(s_stage, CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
-            s_g = _carve(s_stage, 2 * CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
-            s_beta = smem.allocate_tensor(
-                Float32, cute.make_layout(CHUNK), byte_alignment=16
-            )
-
-            # ---- A. L2 norm of q and k rows; raw g and b = sigmoid(beta) to smem
-            for half in cutlass.range_constexpr(2):
-                r = tid // 16 + 8 * half
-                valid = r < n_valid
-                self._normalize(raw[half, 0, None], s_qn, r, group, valid)
-                self._normalize(raw[half, 1, None], s_kn, r, group, valid)
-                g_words = cute.recast_tensor(raw[half, 2, None], Uint32)
-                if not valid:
-                    g_words.fill(0)
-                cute.autovec_copy(
-                    raw[half, 2, None], cute.local_tile(s_g[r, None], (8,), (group,))
-                )
-            if tid < CHUNK:
-                b = sigmoid(bf16_to_f32(beta_raw))
-                if tid >= n_valid:
-                    b = Float32(0.0)
-                s_beta[tid] = b
-            cute.arch.sync_threads()
-
-            # ---- B. gate, cumsum, decays (thread = column)
-            a_exp = ex2_approx(fmul(a_log, Float32(LOG2E)))
-            gate_scale = gate_scale_from_lower_bound(lower_bound)
-            cum = cute.make_rmem_tensor((CHUNK,), Float32)
-            total = Float32(0.0)
-            for r in cutlass.range_constexpr(CHUNK):
-                x = fmul(a_exp, fadd(bf16_to_f32(s_g[r, col]), dt))
-                gate = fmul(gate_scale, sigmoid(x))
-                if r >= n_valid:
-                    gate = Float32(0.0)
-                total = fadd(total, gate)
-                cum[r] = total
-            gt = ex2_approx(total)
-            s_gt[col] = gt
-            gt_b = f32_to_bf16(gt)
-            scale_b = f32_to_bf16(scale)
-            for r in cutlass.range_constexpr(CHUNK):
-                e = f32_to_bf16(ex2_approx(cum[r]))
-                ei = f32_to_bf16(ex2_approx(fneg(cum[r])))
-                qn = s_qn[r, col]
-                kn = s_kn[r, col]
-                s_qd[r, col] = bf16_mul(bf16_mul(qn, e), scale_b)
-                s_kd[r, col] = bf16_mul(kn, e)
-                ki = bf16_mul(kn, ei)
-                s_ki[r, col] = ki
-                s_kr[r, col] = bf16_mul(ki, gt_b)
-            cute.arch.sync_threads()
+            self.record_normalize(rec)
+            self.record_decays(rec, scale, lower_bound)
 
             # ---- C. warp 0: inverse, warp 1: Mqk, warps 2-3: store kd, qd, kr, gt
             g_rec = mWorkspace[head, slot, None]
-            s_rec_t = cute.make_tensor(s_rec, cute.make_layout(wl.RECORD_BYTES))
-            if warp_idx == 0:
-                if cutlass.const_expr(self.inverse == "stable"):
-                    self._inverse_stable(s_stage, s_kd, s_ki, s_beta, s_inv, lane)
-                else:
-                    self._inverse_neumann(s_stage, s_kd, s_ki, s_beta, s_inv, lane)
-            if warp_idx == 1:
-                self._mqk(s_qd, s_ki, s_mqk, lane)
+            s_rec_t = cute.make_tensor(rec.s_rec, cute.make_layout(wl.RECORD_BYTES))
+            self.record_inverse_mqk(rec, warp_idx, lane)
             if warp_idx >= 2:
                 _copy_granules(s_rec_t, g_rec, tid - 64, 64, 0, wl.INV_OFFSET // 16)
             cute.arch.sync_threads()
@@ -267,6 +198,188 @@ class KdaPrepare:
                 _copy_granules(
                     s_rec_t, g_rec, tid, 64, wl.INV_OFFSET // 16, wl.RECORD_BYTES // 16
                 )
+
+    # ------------------------------------------------ the chunk record in shared memory
+    # Phases A-C minus the global stores, one method per phase (ChunkRecord carries what one
+    # phase hands the next). KdaPrepare.kernel and decode.KdaDecode call them in this order; all
+    # 128 threads must call each one (they contain CTA barriers).
+    @cute.jit
+    def record_inputs(
+        self,
+        rows,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        head: Int32,
+        n_valid: Int32,
+        tid: Int32,
+        smem_base=None,
+    ):
+        """A0: issue every global load of the chunk (rows past the end re-read the last valid
+        row, in bounds, and are zeroed afterwards: no branches) and allocate the record's shared
+        memory. `rows`: how a chunk row maps to tensor elements (token(r) for r in 0..15 clamped
+        to n_valid - 1, row(m, tok) the 128 values of q / k / g, beta(tok) the logit).
+        smem_base (optional, a 128-byte aligned Uint8 shared pointer to RECORD_SMEM_BYTES): place
+        the record, ki, beta and the staging area at the RECORD_SMEM offsets there instead of
+        allocating them (the caller may then overlap the staging area's bytes past
+        INVERSE_SCRATCH_BYTES once record_decays has returned)."""
+        group = tid % 16
+        # (half, q/k/g, values), values contiguous so that each load is one 16-byte vector
+        raw = cute.make_rmem_tensor(
+            cute.make_layout((2, 3, 8), stride=(24, 8, 1)), BFloat16
+        )
+        for half in cutlass.range_constexpr(2):
+            r = tid // 16 + 8 * half
+            tok = rows.token(cutlass.min(r, n_valid - 1))
+            for which, m_x in enumerate((mQ, mK, mG)):
+                cute.autovec_copy(
+                    cute.local_tile(rows.row(m_x, tok), (8,), (group,)),
+                    raw[half, which, None],
+                )
+        beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
+        col = tid
+        dt = mDtBias[head, col]
+        a_log = mALog[head]
+
+        # ---- shared memory (~30 KB: up to 7 CTAs per SM)
+        if cutlass.const_expr(smem_base is None):
+            smem = SmemAllocator()
+            s_rec = smem.allocate_array(Uint8, wl.RECORD_BYTES, byte_alignment=128)
+        else:
+            s_rec = smem_base
+        s_kd = _carve(s_rec, wl.KD_OFFSET, BFloat16, _swizzled_tile_layout())
+        s_qd = _carve(s_rec, wl.QD_OFFSET, BFloat16, _swizzled_tile_layout())
+        s_kr = _carve(s_rec, wl.KR_OFFSET, BFloat16, _swizzled_tile_layout())
+        s_gt = _carve(s_rec, wl.GT_OFFSET, Float32, cute.make_layout(D))
+        s_inv = _carve(s_rec, wl.INV_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
+        s_mqk = _carve(s_rec, wl.MQK_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
+        if cutlass.const_expr(smem_base is None):
+            s_ki = smem.allocate_tensor(
+                BFloat16, _swizzled_tile_layout(), byte_alignment=128
+            )
+            # normalised q, k and raw g live until phase B; phase C reuses the bytes
+            s_stage = smem.allocate_array(Uint8, 3 * CHUNK * D * 2, byte_alignment=128)
+        else:
+            s_ki = _carve(smem_base, RECORD_SMEM["ki"], BFloat16, _swizzled_tile_layout())
+            s_stage = smem_base + RECORD_SMEM["stage"]
+        s_qn = _carve(s_stage, 0, BFloat16, _row_major(CHUNK, D))
+        s_kn = _carve(s_stage, CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
+        s_g = _carve(s_stage, 2 * CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
+        if cutlass.const_expr(smem_base is None):
+            s_beta = smem.allocate_tensor(
+                Float32, cute.make_layout(CHUNK), byte_alignment=16
+            )
+        else:
+            s_beta = _carve(smem_base, RECORD_SMEM["beta"], Float32, cute.make_layout(CHUNK))
+        return ChunkRecord(
+            tid=tid,
+            n_valid=n_valid,
+            group=group,
+            raw=raw,
+            beta_raw=beta_raw,
+            col=col,
+            dt=dt,
+            a_log=a_log,
+            s_rec=s_rec,
+            s_kd=s_kd,
+            s_qd=s_qd,
+            s_kr=s_kr,
+            s_gt=s_gt,
+            s_inv=s_inv,
+            s_mqk=s_mqk,
+            s_ki=s_ki,
+            s_stage=s_stage,
+            s_qn=s_qn,
+            s_kn=s_kn,
+            s_g=s_g,
+            s_beta=s_beta,
+        )
+
+    @cute.jit
+    def record_normalize(self, rec):
+        """A: L2 norm of the q and k rows; raw g and b = sigmoid(beta) to shared memory."""
+        tid = rec.tid
+        n_valid = rec.n_valid
+        raw = rec.raw
+        group = rec.group
+        s_qn, s_kn, s_g = rec.s_qn, rec.s_kn, rec.s_g
+        for half in cutlass.range_constexpr(2):
+            r = tid // 16 + 8 * half
+            valid = r < n_valid
+            self._normalize(raw[half, 0, None], s_qn, r, group, valid)
+            self._normalize(raw[half, 1, None], s_kn, r, group, valid)
+            g_words = cute.recast_tensor(raw[half, 2, None], Uint32)
+            if not valid:
+                g_words.fill(0)
+            cute.autovec_copy(
+                raw[half, 2, None], cute.local_tile(s_g[r, None], (8,), (group,))
+            )
+        beta_raw = rec.beta_raw
+        s_beta = rec.s_beta
+        if tid < CHUNK:
+            b = sigmoid(bf16_to_f32(beta_raw))
+            if tid >= n_valid:
+                b = Float32(0.0)
+            s_beta[tid] = b
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def record_decays(self, rec, scale: Float32, lower_bound: Float32, gt_rows=None):
+        """B: gate, cumsum, decays (thread = column). gt_rows (optional, f32 [16, 128] in shared
+        memory): also receives ex2(G_r) of every row r, i.e. the gt of a chunk that ended at
+        row r (the fused decode kernel's per-token states); no other instruction changes."""
+        n_valid = rec.n_valid
+        col = rec.col
+        dt = rec.dt
+        s_g, s_qn, s_kn, s_gt = rec.s_g, rec.s_qn, rec.s_kn, rec.s_gt
+        s_qd, s_kd, s_ki, s_kr = rec.s_qd, rec.s_kd, rec.s_ki, rec.s_kr
+        a_exp = ex2_approx(fmul(rec.a_log, Float32(LOG2E)))
+        gate_scale = gate_scale_from_lower_bound(lower_bound)
+        cum = cute.make_rmem_tensor((CHUNK,), Float32)
+        total = Float32(0.0)
+        for r in cutlass.range_constexpr(CHUNK):
+            x = fmul(a_exp, fadd(bf16_to_f32(s_g[r, col]), dt))
+            gate = fmul(gate_scale, sigmoid(x))
+            if r >= n_valid:
+                gate = Float32(0.0)
+            total = fadd(total, gate)
+            cum[r] = total
+        gt = ex2_approx(total)
+        s_gt[col] = gt
+        gt_b = f32_to_bf16(gt)
+        scale_b = f32_to_bf16(scale)
+        for r in cutlass.range_constexpr(CHUNK):
+            if cutlass.const_expr(gt_rows is None):
+                e = f32_to_bf16(ex2_approx(cum[r]))
+            else:
+                g_r = ex2_approx(cum[r])
+                gt_rows[r, col] = g_r
+                e = f32_to_bf16(g_r)
+            ei = f32_to_bf16(ex2_approx(fneg(cum[r])))
+            qn = s_qn[r, col]
+            kn = s_kn[r, col]
+            s_qd[r, col] = bf16_mul(bf16_mul(qn, e), scale_b)
+            s_kd[r, col] = bf16_mul(kn, e)
+            ki = bf16_mul(kn, ei)
+            s_ki[r, col] = ki
+            s_kr[r, col] = bf16_mul(ki, gt_b)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def record_inverse_mqk(self, rec, warp_idx: Int32, lane: Int32):
+        """C (without the barrier that ends it): warp 0 the inverse INV, warp 1 Mqk; warps 2 and
+        3 are free (the prepare kernel's store the record meanwhile)."""
+        s_stage, s_kd, s_ki, s_beta, s_inv = rec.s_stage, rec.s_kd, rec.s_ki, rec.s_beta, rec.s_inv
+        s_qd, s_mqk = rec.s_qd, rec.s_mqk
+        if warp_idx == 0:
+            if cutlass.const_expr(self.inverse == "stable"):
+                self._inverse_stable(s_stage, s_kd, s_ki, s_beta, s_inv, lane)
+            else:
+                self._inverse_neumann(s_stage, s_kd, s_ki, s_beta, s_inv, lane)
+        if warp_idx == 1:
+            self._mqk(s_qd, s_ki, s_mqk, lane)
 
     # ------------------------------------------------------------ helpers
     @cute.jit
@@ -492,6 +605,30 @@ class _WarpMma:
         acc.fill(0.0)
         _mma_16x16(self.tiled_mma, self.thr, acc, s_a, s_b)
         return acc
+
+
+class ChunkRecord:
+    """What one phase of the record build hands the next (a trace-time bag: rmem tensors,
+    shared-memory tensors, scalars)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _PackedRows:
+    """Chunk rows of the prepare kernel: token row0 + r of the packed [T_total, H, ...] inputs."""
+
+    def __init__(self, row0, head, mBeta):
+        self.row0, self.head, self.mBeta = row0, head, mBeta
+
+    def token(self, r):
+        return self.row0 + r
+
+    def row(self, m_x, tok):
+        return m_x[tok, self.head, None]
+
+    def beta(self, tok):
+        return self.mBeta[tok, self.head]
 
 
 def _carve(base, byte_offset, dtype, layout):

@@ -863,3 +863,113 @@ def st_global_v4(gmem_addr, regs, *, loc=None, ip=None):
         loc,
         ip,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# State pools (serving recurrence, fused decode): 8-byte shared accesses, f32 <-> bf16 state
+# conversion, predicated stores
+# ----------------------------------------------------------------------------------------------
+@dsl_user_op
+def movmatrix_trans_volatile(x, *, loc=None, ip=None):
+    """movmatrix_trans that the compiler may neither merge with an equal one nor move across other
+    memory / volatile asm (keeps a rarely taken block's work inside that block)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i32(x, loc, ip)],
+            "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+            "=r,r,~{memory}",
+            loc,
+            ip,
+            side_effects=True,
+        )
+    )
+
+
+@dsl_user_op
+def ld_shared_v2(smem_addr, *, loc=None, ip=None):
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [_i32(smem_addr, loc, ip)],
+        "ld.shared.v2.b32 {$0, $1}, [$2];",
+        "=r,=r,r,~{memory}",
+        loc,
+        ip,
+        side_effects=True,
+    )
+    return _unpack(res, T.i32(), 2, Int32)
+
+
+@dsl_user_op
+def st_shared_v2(smem_addr, regs, *, loc=None, ip=None):
+    _store(
+        [_i32(smem_addr, loc, ip)] + [_i32(r, loc, ip) for r in regs],
+        "st.shared.v2.b32 [$1], {$2, $3};",
+        "r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def pack_f32_bits_bf16x2(lo_bits, hi_bits, *, loc=None, ip=None):
+    """bf16x2 of two f32 given as their bit patterns (Int32), each rounded to nearest even
+    (cvt.rn.bf16x2.f32, no flush), `lo_bits` in the low half."""
+    return _b32_op(
+        [_i32(lo_bits, loc, ip), _i32(hi_bits, loc, ip)],
+        "{\n\t.reg .f32 a, b;\n\tmov.b32 a, $1;\n\tmov.b32 b, $2;\n\t"
+        "cvt.rn.bf16x2.f32 $0, b, a;\n\t}",
+        "=r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def bf16x2_lo_bits(w, *, loc=None, ip=None):
+    """Bits of the exact f32 widening of the low bf16 of a packed pair (w << 16)."""
+    return Int32(Uint32(w) << Uint32(16))
+
+
+@dsl_user_op
+def bf16x2_hi_bits(w, *, loc=None, ip=None):
+    """Bits of the exact f32 widening of the high bf16 of a packed pair (w & 0xFFFF0000)."""
+    return Int32(Uint32(w) & Uint32(0xFFFF0000))
+
+
+@dsl_user_op
+def st_global_f32x2_of_bf16x2_if(gmem_addr, value, idx, limit, *, loc=None, ip=None):
+    """If idx < limit: the two bf16 of `value` widened exactly to f32, stored as 8 bytes (low half
+    first). Every instruction of the group is predicated, so nothing issues work when off."""
+    _store(
+        [
+            _i64(gmem_addr, loc, ip),
+            _i32(value, loc, ip),
+            _i32(idx, loc, ip),
+            _i32(limit, loc, ip),
+        ],
+        pred_lt_block(
+            "$3, $4",
+            ".reg .b32 lo, hi;\n\t@p shl.b32 lo, $2, 16;\n\t@p and.b32 hi, $2, -65536;\n\t"
+            "@p st.global.v2.b32 [$1], {lo, hi};",
+        ),
+        "l,r,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def ld_global_b32_if(gmem_addr, idx, limit, *, loc=None, ip=None):
+    """*(u32*)addr if idx < limit, else 0 (no access); coherent path."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_i64(gmem_addr, loc, ip), _i32(idx, loc, ip), _i32(limit, loc, ip)],
+            pred_lt_block("$2, $3", "mov.b32 $0, 0;\n\t@p ld.global.b32 $0, [$1];"),
+            "=r,l,r,r,~{memory}",
+            loc,
+            ip,
+            side_effects=True,
+        )
+    )

@@ -1,5 +1,6 @@
 """What the recurrence kernels share: the chunk's sequence bounds, the lane index maps of the
-mma.sync fragments, the workspace offsets and the fake arguments they are compiled with.
+mma.sync fragments, the workspace offsets, the swizzled shared-memory state tile (state pools:
+serving recurrence and fused decode) and the fake arguments they are compiled with.
 
 The index maps are plain integer arithmetic: the kernels evaluate them on DSL Int32 values and the
 CPU fragment simulator in tests/kernel_sim.py on numpy ints, so both run the same formulas
@@ -7,7 +8,7 @@ CPU fragment simulator in tests/kernel_sim.py on numpy ints, so both run the sam
 """
 
 import cutlass
-from cutlass import BFloat16, Int32, Uint8
+from cutlass import BFloat16, Float32, Int32, Uint8
 
 from .. import contract
 from .compile_utils import fake_stream, fake_tensor, symbol
@@ -62,6 +63,63 @@ def acc_col(lane):
     return 2 * (lane % 4)
 
 
+# ---- the state tile in shared memory (serving recurrence, fused decode) ------------------------
+# Rows v (value columns, relative to the tile's first), 128 bf16 k values each (256 bytes); the
+# 16-byte granule kg of row v is stored at granule kg ^ (v % 8) (the same swizzle as the
+# workspace tiles and recurrence_baseline.state_smem_offset). A 16-byte access per lane of eight
+# consecutive lanes along one row, and an ldmatrix phase (eight consecutive rows, one logical
+# granule), each touch all 32 banks once.
+STATE_DTYPES = {"bf16": BFloat16, "f32": Float32}
+STATE_ELEM_BYTES = {"bf16": 2, "f32": 4}
+
+
+def state_smem_offset(v, k):
+    """Byte offset of S[v, k] in a swizzled bf16 state tile (v relative to the tile)."""
+    return v * (D * 2) + ((k // 8) ^ (v % 8)) * 16 + (k % 8) * 2
+
+
+def state_frag_count(n_tiles):
+    """ldmatrix.x4 / stmatrix.x4 instructions per warp for its 16 * n_tiles state registers."""
+    return 4 * n_tiles
+
+
+def state_frag_regs(q, n_tiles):
+    """(mt, nt, half) of the four registers of state fragment instruction q (0 ..
+    state_frag_count - 1): register m of it holds the accumulator-layout state register
+    state[mt, nt, half] (recurrence.state_reg) when read with ldmatrix.trans, its B-operand
+    transpose (movmatrix.trans of it) when read with plain ldmatrix.
+    n_tiles == 1: q covers k-tiles 2q, 2q + 1 of the warp's single n-tile; n_tiles even: q =
+    mt * (n_tiles // 2) + pair covers k-tile mt of n-tiles 2 pair, 2 pair + 1."""
+    if n_tiles == 1:
+        return [(2 * q + m // 2, 0, m % 2) for m in range(4)]
+    mt, pair = divmod(q, n_tiles // 2)
+    return [(mt, 2 * pair + m // 2, m % 2) for m in range(4)]
+
+
+def state_frag_offset(lane, q, col_w, n_tiles):
+    """Byte offset in the state tile of the row this lane addresses for state fragment instruction
+    q of a warp owning rows col_w .. col_w + 8 n_tiles - 1: matrix m = lane // 8 is the 8x8 block
+    S[v0 .. v0+7][k0 .. k0+7] of register m of state_frag_regs(q) (v0 = col_w + 8 nt, k0 = 16 mt +
+    8 half), row lane % 8 of it."""
+    m = lane // 8
+    if n_tiles == 1:
+        v = col_w + lane % 8
+        k = 32 * q + 8 * m
+    else:
+        mt, pair = divmod(q, n_tiles // 2)
+        v = col_w + 8 * (2 * pair + m // 2) + lane % 8
+        k = 16 * mt + 8 * (m % 2)
+    return state_smem_offset(v, k)
+
+
+def state_copy_unit(index, elem_bytes):
+    """(row v, first k) of 16-byte global unit `index` of a state slice (rows of 128 values):
+    units run along the rows, 128 * elem_bytes / 16 per row (16 bf16: a granule of the tile;
+    32 f32: half a granule), so consecutive lanes touch consecutive global bytes."""
+    per_row = D * elem_bytes // 16
+    return index // per_row, (index % per_row) * (16 // elem_bytes)
+
+
 def recurrence_args():
     """Fake arguments of a recurrence kernel's host __call__ (docs/kernel_abi.md): v, beta,
     workspace, cu_seqlens, initial state, out, final state (T_total, H, N, S dynamic), stream."""
@@ -75,5 +133,28 @@ def recurrence_args():
         fake_tensor(BFloat16, (seqs, heads, D, D), 16),  # initial state
         fake_tensor(BFloat16, (t_total, heads, D), 16),  # out
         fake_tensor(BFloat16, (seqs, heads, D, D), 16),  # final state
+        fake_stream(),
+    )
+
+
+def recurrence_pool_args(state_dtype):
+    """Fake arguments of the serving recurrence's host __call__ (KdaRecurrence(serving=True)):
+    v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool, out, checkpoints,
+    checkpoint_chunks, stream (T_total, H, N, S, P, C dynamic)."""
+    t_total, heads = symbol("T_total"), symbol("H")
+    seqs_plus_1, seqs, slots = symbol("N_plus_1"), symbol("N"), symbol("S")
+    rows, ckpts = symbol("P"), symbol("C")
+    sdt = STATE_DTYPES[state_dtype]
+    return (
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # v
+        fake_tensor(BFloat16, (t_total, heads), 2),  # beta
+        fake_tensor(Uint8, (heads, slots, RECORD_BYTES), 16),  # workspace
+        fake_tensor(Int32, (seqs_plus_1,), 4),  # cu_seqlens
+        fake_tensor(Int32, (seqs,), 4),  # state_indices
+        fake_tensor(Int32, (seqs_plus_1,), 4),  # checkpoint_offsets
+        fake_tensor(sdt, (rows, heads, D, D), 16),  # pool (updated in place)
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # out
+        fake_tensor(sdt, (ckpts, heads, D, D), 16),  # checkpoints
+        Int32(0),  # checkpoint_chunks
         fake_stream(),
     )
