@@ -2,7 +2,7 @@
 # Everything a GPU machine runs in one go: GPU tests, a compute-sanitizer pass on a small shape,
 # then the benchmark with fla alongside. Expects the built wheel in .whl/ (scripts/gpu_roundtrip.sh
 # build) and optional peer wheels and sources in .external/ (both git-ignored).
-#   STAGES: any of "smoke serving tests sanitizer bench multigpu profile grid parity"
+#   STAGES: any of "smoke serving checkpoints tests sanitizer bench multigpu profile grid parity"
 #           (default: tests sanitizer bench)
 #   WHEEL_DIR: where the built wheel is (default .whl)
 set -uo pipefail
@@ -27,6 +27,10 @@ for stage in $STAGES; do
       echo "== serving smoke test"
       (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 240 python3 "$REPO/scripts/serving_smoke.py")
       echo "serving smoke exit $?" ;;
+    checkpoints)  # what checkpoint_every costs at T = 8192, 12 heads, n = 64
+      echo "== checkpoint cost"
+      (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 120 python3 "$REPO/benchmarks/checkpoint_cost.py" --out "$OUT/checkpoint_cost.json")
+      echo "checkpoint cost exit $?" ;;
     tests) GPU_TEST_TIMEOUT="${GPU_TEST_TIMEOUT:-330}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu tests ;;
     sanitizer)
       for tool in memcheck racecheck; do
