@@ -17,15 +17,16 @@ from .checkpoints import checkpoint_offsets
 # Jitted so that eager calls compile once per shape instead of dispatching op by op (seconds per
 # call on CPU); inside an outer jit it is simply inlined.
 @functools.partial(jax.jit, static_argnames=("problem", "inverse"))
-def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, *, problem: Problem,
-            inverse: str):
+def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets=None, *,
+            problem: Problem, inverse: str):
     """(out, final state or updated pool, checkpoints or None), as the kernel path returns."""
     pooled = state_indices is not None
     state0 = _state_pool.gather(state, state_indices) if pooled else state
     out, final, *ckpts = reference.kda_prefill_reference(
         q, k, v, g, beta, A_log, dt_bias, scale=problem.scale, lower_bound=problem.lower_bound,
         initial_state=state0, cu_seqlens=cu, inverse=inverse,
-        checkpoint_every=problem.checkpoint_every,
+        checkpoint_every=problem.checkpoint_every, checkpoint_offsets=ckpt_offsets,
+        checkpoint_rows=problem.checkpoint_capacity if problem.checkpoint_every else None,
     )
     ckpts = ckpts[0].astype(problem.state_dtype) if ckpts else None
     if not pooled:
@@ -33,8 +34,8 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, *, probl
     padding = ~_state_pool.valid_rows(state_indices, problem.pool_rows)
     out = jnp.where(_padding_tokens(problem, cu, padding)[..., None, None], 0, out).astype(out.dtype)
     if ckpts is not None:
-        ckpts = jnp.where(_padding_checkpoints(problem, cu, padding)[:, None, None, None], 0,
-                          ckpts).astype(ckpts.dtype)
+        ckpts = jnp.where(_padding_checkpoints(problem, cu, padding, ckpt_offsets)[
+            :, None, None, None], 0, ckpts).astype(ckpts.dtype)
     return out, _state_pool.scatter(state, state_indices, final), ckpts
 
 
@@ -49,11 +50,12 @@ def _padding_tokens(problem: Problem, cu, padding):
     return (inside & padding[jnp.clip(owner, 0, problem.num_seqs - 1)])[None]
 
 
-def _padding_checkpoints(problem: Problem, cu, padding):
+def _padding_checkpoints(problem: Problem, cu, padding, offsets=None):
     """bool [capacity]: checkpoint rows that belong to a padding sequence."""
     if cu is None:
         cu = jnp.arange(problem.batch + 1, dtype=jnp.int32) * problem.seqlen
-    offsets = checkpoint_offsets(cu, problem.checkpoint_every, problem.batch * problem.seqlen)
+    if offsets is None:
+        offsets = checkpoint_offsets(cu, problem.checkpoint_every, problem.batch * problem.seqlen)
     row = jnp.arange(problem.checkpoint_capacity)
     owner = jnp.searchsorted(offsets, row, side="right") - 1
     inside = (owner >= 0) & (owner < problem.num_seqs)

@@ -197,8 +197,8 @@ def _prefill_backend(problem, inverse, launch, backend):
         def call_for_heads(heads):
             local = dataclasses.replace(problem, heads=heads)
             kernel_fn = functools.partial(_kernel_path.prefill, problem=local, options=options)
-            reference_fn = _without_offsets(functools.partial(
-                _reference_path.prefill, problem=local, inverse=inverse))
+            reference_fn = functools.partial(_reference_path.prefill, problem=local,
+                                             inverse=inverse)
             return _by_platform(kernel_fn, reference_fn, backend)
 
         return _partitioning.over_heads(call_for_heads, _partitioning.PREFILL, problem.heads,
@@ -206,15 +206,6 @@ def _prefill_backend(problem, inverse, launch, backend):
 
     folded = _batching.with_folding_vmap(for_problem, problem)
     return lambda *arrays: folded(*arrays, None)  # checkpoint offsets: computed from cu
-
-
-def _without_offsets(reference_fn):
-    """The reference prefill called with the kernel path's arguments (it derives checkpoint
-    rows from cu_seqlens itself; only vmap folding passes explicit offsets, see _batching)."""
-    def call(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets):
-        return reference_fn(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices)
-
-    return call
 
 
 def _decode_backend(problem, inverse, backend):

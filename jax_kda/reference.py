@@ -318,8 +318,11 @@ def gate_cumsum(g, A_log, dt_bias, lower_bound, valid):
     gate = lower_bound log2(e) * sigmoid((g + dt_bias) * 2^(A_log log2 e)), 0 on invalid rows.
     Shared with the fp32 mode (reference_fp32), whose gates are the same.
     """
-    decay_rate = ex2_ftz(_f32(A_log) * _LOG2E)[..., None, None]
-    x = (_f32(g) + _f32(dt_bias)[..., None, :]) * decay_rate
+    # Behind a barrier: where A_log / dt_bias are compile-time constants XLA would fold this math
+    # with its constant evaluator, whose exp2 / tanh bits differ from compiled code.
+    A_log, dt_bias = lax.optimization_barrier((_f32(A_log), _f32(dt_bias)))
+    decay_rate = ex2_ftz(A_log * _LOG2E)[..., None, None]
+    x = (_f32(g) + dt_bias[..., None, :]) * decay_rate
     # f32(f64(lower_bound) * log2(e)): the kernels form the gate scale in double precision
     gate_scale = np.float32(np.float64(np.float32(lower_bound)) * np.log2(np.e))
     gate = jnp.where(valid[..., None], gate_scale * sigmoid_tanh(x), 0.0)
@@ -452,11 +455,12 @@ def _prefill_chunked(q, k, v, g, beta, valid, A_log, dt_bias, state0, *, scale, 
     return recurrence_reference(ws, v, beta, state0, checkpoint_chunks)
 
 
-def _pack_checkpoints(states, lengths, checkpoint_every, capacity):
+def _pack_checkpoints(states, lengths, checkpoint_every, capacity, offsets=None):
     """states bf16 [N, H, K, 128, 128] after every checkpoint_every tokens of each sequence ->
-    the packed checkpoint array [capacity, H, 128, 128] (jax_kda.checkpoints), zeros elsewhere."""
+    the packed checkpoint array [capacity, H, 128, 128] (jax_kda.checkpoints), zeros elsewhere.
+    offsets: int32 [N+1] rows of each sequence's first checkpoint (default: packed in order)."""
     counts = checkpoint_counts(lengths, checkpoint_every)
-    offsets = jnp.cumsum(counts) - counts
+    offsets = jnp.cumsum(counts) - counts if offsets is None else offsets[:-1]
     j = jnp.arange(states.shape[2])
     target = jnp.where(j[None] < counts[:, None], offsets[:, None] + j[None], capacity)  # [N, K]
     rows = jnp.moveaxis(states, 2, 1)  # [N, K, H, 128, 128]
@@ -466,7 +470,8 @@ def _pack_checkpoints(states, lengths, checkpoint_every, capacity):
 
 def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound,
                           initial_state=None, cu_seqlens=None, inverse="stable",
-                          checkpoint_every=None):
+                          checkpoint_every=None, checkpoint_offsets=None,
+                          checkpoint_rows=None):
     """KDA prefill, chunkwise, with the kernels' roundings.
 
     Args:
@@ -479,6 +484,8 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
       inverse: "stable" or "neumann".
       checkpoint_every: None, or a multiple n of 16: also return each sequence's states after
         n, 2n, ... tokens strictly before its end, packed as jax_kda.checkpoints describes.
+      checkpoint_offsets, checkpoint_rows: where the checkpoints go, when not packed in order
+        into jax_kda.checkpoints' capacity (vmap folding keeps each element's rows apart).
     Returns:
       out bf16 [B, T, H, 128] (tokens covered by no sequence are 0) and final_state bf16
       [N, H, 128, 128]; with checkpoint_every also the checkpoints bf16 [capacity, H, 128, 128].
@@ -495,7 +502,8 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
         checkpoint_chunks = capacity = None
     else:
         checkpoint_chunks = checkpoint_every // CHUNK
-        capacity = checkpoint_capacity(B, T, cu_seqlens is not None, checkpoint_every)
+        capacity = (checkpoint_capacity(B, T, cu_seqlens is not None, checkpoint_every)
+                    if checkpoint_rows is None else checkpoint_rows)
     num_chunks = -(-T // CHUNK)
     if num_chunks == 0:
         out = jnp.zeros(q.shape, jnp.bfloat16)
@@ -513,7 +521,8 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
     out, lengths, final_state, *states = chunked_prefill(run_chunks, q, k, v, g, beta, cu_seqlens)
     if checkpoint_every is None:
         return out, final_state
-    return out, final_state, _pack_checkpoints(states[0], lengths, checkpoint_every, capacity)
+    return out, final_state, _pack_checkpoints(states[0], lengths, checkpoint_every, capacity,
+                                               checkpoint_offsets)
 
 
 def chunked_prefill(run_chunks, q, k, v, g, beta, cu_seqlens):

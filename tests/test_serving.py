@@ -422,25 +422,13 @@ def test_vmap_of_pool_prefill_equals_a_loop(rng):
             assert_bits(a[e], b, f"element {e}: {name}")
 
 
-class KnownBug(AssertionError):
-    """A failure the library is known to have (see the test's docstring)."""
-
-
-@pytest.mark.xfail(raises=KnownBug, strict=True, reason=(
-    "vmap of packed kda_prefill with checkpoint_every on backend='auto' where it falls back to "
-    "the reference: api._without_offsets drops the per-element checkpoint offsets the vmap "
-    "folding (_batching._fold_into_sequences) passes, so element i's checkpoints are packed "
-    "right after element i-1's instead of at row i * capacity"))
 def test_vmap_of_pool_prefill_auto_backend_equals_a_loop(rng):
+    """The folded call keeps each element's checkpoint rows apart (row i * capacity on): the
+    reference branch of "auto" takes the offsets the folding passes, as the kernel path does."""
     got, wants = _vmapped_packed_pool_prefill(rng, "auto")
     for e, want in enumerate(wants):
-        assert_bits(got[0][e], want[0], f"element {e}: out")
-        assert_bits(got[1][e], want[1], f"element {e}: pool")
-    for e, want in enumerate(wants):
-        try:
-            assert_bits(got[2][e], want[2], f"element {e}: checkpoints")
-        except AssertionError as error:
-            raise KnownBug(str(error)) from error
+        for name, a, b in zip(("out", "pool", "checkpoints"), got, want):
+            assert_bits(a[e], b, f"element {e}: {name}")
 
 
 @pytest.fixture
