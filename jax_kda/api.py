@@ -191,19 +191,11 @@ def _prefill_backend(problem, inverse, launch, backend):
     call and partition over heads; the reference is plain JAX (XLA partitions and vmaps it)."""
     if backend == "reference":
         return functools.partial(_reference_path.prefill, problem=problem, inverse=inverse)
-    options = _kernel_path.PrefillOptions(inverse, launch)
-
-    def for_problem(*arrays, problem):
-        def call_for_heads(heads):
-            local = dataclasses.replace(problem, heads=heads)
-            kernel_fn = functools.partial(_kernel_path.prefill, problem=local, options=options)
-            reference_fn = functools.partial(_reference_path.prefill, problem=local,
-                                             inverse=inverse)
-            return _by_platform(kernel_fn, reference_fn, backend)
-
-        return _partitioning.over_heads(call_for_heads, _partitioning.PREFILL, problem.heads,
-                                        arrays)
-
+    for_problem = _on_local_heads(
+        functools.partial(_kernel_path.prefill,
+                          options=_kernel_path.PrefillOptions(inverse, launch)),
+        functools.partial(_reference_path.prefill, inverse=inverse),
+        _partitioning.PREFILL, backend)
     folded = _batching.with_folding_vmap(for_problem, problem)
     return lambda *arrays: folded(*arrays, None)  # checkpoint offsets: computed from cu
 
@@ -213,19 +205,27 @@ def _decode_backend(problem, inverse, backend):
     None) on the chosen backend, folded and partitioned as _prefill_backend."""
     if backend == "reference":
         return functools.partial(_reference_path.decode, problem=problem, inverse=inverse)
+    for_problem = _on_local_heads(
+        functools.partial(_kernel_path.decode, inverse=inverse),
+        functools.partial(_reference_path.decode, inverse=inverse),
+        _partitioning.DECODE, backend)
+    return _batching.with_decode_folding_vmap(for_problem, problem)
+
+
+def _on_local_heads(kernel_fn, reference_fn, layout, backend):
+    """for_problem(*arrays, problem): the call on each device's heads (jax_kda._partitioning),
+    the kernels or the reference by platform; both functions take problem= for the local
+    head count."""
 
     def for_problem(*arrays, problem):
         def call_for_heads(heads):
             local = dataclasses.replace(problem, heads=heads)
-            kernel_fn = functools.partial(_kernel_path.decode, problem=local, inverse=inverse)
-            reference_fn = functools.partial(_reference_path.decode, problem=local,
-                                             inverse=inverse)
-            return _by_platform(kernel_fn, reference_fn, backend)
+            return _by_platform(functools.partial(kernel_fn, problem=local),
+                                functools.partial(reference_fn, problem=local), backend)
 
-        return _partitioning.over_heads(call_for_heads, _partitioning.DECODE, problem.heads,
-                                        arrays)
+        return _partitioning.over_heads(call_for_heads, layout, problem.heads, arrays)
 
-    return _batching.with_decode_folding_vmap(for_problem, problem)
+    return for_problem
 
 
 def _by_platform(kernel_fn, reference_fn, backend):
