@@ -53,5 +53,8 @@ std::span<const KernelSpec<PrepareArgs>> PrepareSpecs();
 std::span<const KernelSpec<RecurrenceArgs>> RecurrenceSpecs();
 std::span<const KernelSpec<RecurrencePoolArgs>> RecurrencePoolSpecs();
 std::span<const KernelSpec<DecodeArgs>> DecodeSpecs();
+// The fp32 numerics mode's prefill kernels: the same operands (23,040-byte records, f32 states).
+std::span<const KernelSpec<PrepareArgs>> PrepareFp32Specs();
+std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs();
 
 }  // namespace jax_kda

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .checkpoints import checkpoint_capacity
-from .contract import CHUNK, HEAD_DIM, INVERSE_IDS, MAX_DECODE_TOKENS
+from .contract import CHUNK, HEAD_DIM, INVERSE_IDS, MAX_DECODE_TOKENS, NUMERICS
 
 INVERSES = tuple(INVERSE_IDS)
 BACKENDS = ("auto", "kernel", "reference")
@@ -39,6 +39,7 @@ class Problem:
     pool_rows: int | None = None  # P when the initial state is a pool indexed by state_indices
     checkpoint_every: int | None = None  # tokens between intermediate states, None = none
     checkpoint_capacity: int = 0  # rows of the packed checkpoint array (jax_kda.checkpoints)
+    numerics: str = "flashkda"  # a contract.NUMERICS mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class DecodeProblem:
     scale: float
     lower_bound: float
     intermediate_states: bool
+    numerics: str = "flashkda"
 
 
 def _dtype_name(dtype) -> str:
@@ -112,9 +114,16 @@ def _check_bool(fn: str, name: str, value) -> None:
         raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__}")
 
 
-def check_options(fn: str, inverse: str, backend: str) -> None:
+def check_options(fn: str, inverse: str, backend: str, numerics: str = "flashkda") -> None:
+    if not isinstance(numerics, str) or numerics not in NUMERICS:
+        raise ValueError(f"{fn}: numerics must be one of {NUMERICS}, got {numerics!r}")
     if inverse not in INVERSES:
         raise ValueError(f"{fn}: inverse must be one of {INVERSES}, got {inverse!r}")
+    if numerics == "fp32" and inverse != "stable":
+        raise ValueError(
+            f"{fn}: inverse={inverse!r} exists in the flashkda numerics only; numerics='fp32' "
+            "has one f32 inverse (leave inverse='stable')"
+        )
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
 
@@ -161,7 +170,7 @@ def _check_state_indices(fn: str, state_indices, num_seqs: int, pool_rows: int) 
 
 def check_prefill(
     q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound, initial_state, output_final_state,
-    cu_seqlens, state_indices=None, checkpoint_every=None,
+    cu_seqlens, state_indices=None, checkpoint_every=None, numerics="flashkda",
 ) -> Problem:
     """Validates kda_prefill's arrays and static options; returns the derived Problem."""
     fn = "kda_prefill"
@@ -197,7 +206,8 @@ def check_prefill(
         N, varlen = cu_shape[0] - 1, True
         check_cu_seqlens_values(cu_seqlens, T)
 
-    state_dtype = np.dtype(jnp.bfloat16)
+    # no initial state: the mode's own state precision
+    state_dtype = np.dtype(jnp.float32 if numerics == "fp32" else jnp.bfloat16)
     pool_rows = None
     if state_indices is not None and initial_state is None:
         raise ValueError(
@@ -221,13 +231,18 @@ def check_prefill(
                 f"saved states), got {checkpoint_every!r}"
             )
         checkpoint_every = int(checkpoint_every)
+        if numerics == "fp32":
+            raise ValueError(
+                f"{fn}: checkpoint_every is available with numerics='flashkda' only (the fp32 "
+                "mode has no checkpointing recurrence); leave it None"
+            )
     return Problem(B, T, H, N, varlen, state_dtype, scale, lower_bound, pool_rows,
-                   checkpoint_every, checkpoint_capacity(B, T, varlen, checkpoint_every))
+                   checkpoint_every, checkpoint_capacity(B, T, varlen, checkpoint_every), numerics)
 
 
 def check_decode(
     q, k, v, g, beta, A_log, dt_bias, *, state, state_indices, scale, lower_bound,
-    output_intermediate_states,
+    output_intermediate_states, numerics="flashkda",
 ) -> DecodeProblem:
     """Validates kda_decode's arrays and static options; returns the derived DecodeProblem."""
     fn = "kda_decode"
@@ -261,8 +276,13 @@ def check_decode(
         _check_pool(fn, "state", state, H)
     if state_indices is not None:
         _check_state_indices(fn, state_indices, N, shape[0])
+    if numerics == "fp32" and output_intermediate_states:
+        raise ValueError(
+            f"{fn}: output_intermediate_states is available with numerics='flashkda' only; "
+            "leave it False with numerics='fp32'"
+        )
     return DecodeProblem(N, t, H, shape[0], state_indices is not None, np.dtype(state.dtype),
-                         scale, lower_bound, bool(output_intermediate_states))
+                         scale, lower_bound, bool(output_intermediate_states), numerics)
 
 
 def check_cu_seqlens_values(cu_seqlens, total_tokens: int) -> None:

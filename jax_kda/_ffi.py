@@ -1,4 +1,4 @@
-"""The FFI library: find it, load it, register its two custom calls, and call them.
+"""The FFI library: find it, load it, register its custom calls, and call them.
 
 libjax_kda_ffi.so (built by ffi/CMakeLists.txt during `pip install`) holds the C++ handlers and
 every kernel specialisation. This module never imports CuTe DSL. Loading and registration happen
@@ -28,27 +28,24 @@ LIBRARY_NAME = "libjax_kda_ffi.so"
 LIBRARY_ENV = "JAX_KDA_FFI_LIBRARY"  # explicit path, overrides the search below
 # Stage -> exported handler symbol. Modules are loaded per device at instantiate (compile time)
 # and initialize; execute only launches, so it is safe under CUDA-graph capture.
+_HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
+    contract.PREPARE_TARGET: "JaxKdaPrepareV1",
+    contract.RECURRENCE_TARGET: "JaxKdaRecurrenceV1",
+    contract.RECURRENCE_POOL_TARGET: "JaxKdaRecurrencePoolV1",
+    contract.DECODE_TARGET: "JaxKdaDecodeV1",
+    contract.PREPARE_FP32_TARGET: "JaxKdaPrepareFp32V1",
+    contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
+}
 _HANDLER_SYMBOLS = {
-    contract.PREPARE_TARGET: {
-        "instantiate": "JaxKdaPrepareV1Instantiate",
-        "initialize": "JaxKdaPrepareV1Initialize",
-        "execute": "JaxKdaPrepareV1Execute",
-    },
-    contract.RECURRENCE_TARGET: {
-        "instantiate": "JaxKdaRecurrenceV1Instantiate",
-        "initialize": "JaxKdaRecurrenceV1Initialize",
-        "execute": "JaxKdaRecurrenceV1Execute",
-    },
-    contract.RECURRENCE_POOL_TARGET: {
-        "instantiate": "JaxKdaRecurrencePoolV1Instantiate",
-        "initialize": "JaxKdaRecurrencePoolV1Initialize",
-        "execute": "JaxKdaRecurrencePoolV1Execute",
-    },
-    contract.DECODE_TARGET: {
-        "instantiate": "JaxKdaDecodeV1Instantiate",
-        "initialize": "JaxKdaDecodeV1Initialize",
-        "execute": "JaxKdaDecodeV1Execute",
-    },
+    target: {stage: name + stage.capitalize() for stage in ("instantiate", "initialize", "execute")}
+    for target, name in _HANDLER_NAMES.items()
+}
+# numerics mode -> (prepare target, recurrence target, workspace record bytes, state dtype)
+_PREFILL_CALLS = {
+    "flashkda": (contract.PREPARE_TARGET, contract.RECURRENCE_TARGET,
+                 contract.record_bytes("flashkda"), jnp.bfloat16),
+    "fp32": (contract.PREPARE_FP32_TARGET, contract.RECURRENCE_FP32_TARGET,
+             contract.record_bytes("fp32"), jnp.float32),
 }
 
 _lock = threading.Lock()
@@ -173,12 +170,22 @@ def _expect(name, x, dtype, shape) -> None:
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
 
 
-def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_bound, inverse):
-    """Custom call 1: per-chunk precomputation into the workspace uint8 [H, S, 13824]."""
+def _prefill_calls(numerics: str):
+    if numerics not in _PREFILL_CALLS:
+        raise ValueError(f"numerics: expected one of {contract.NUMERICS}, got {numerics!r}")
+    return _PREFILL_CALLS[numerics]
+
+
+def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_bound, inverse,
+                 numerics="flashkda"):
+    """Custom call 1: per-chunk precomputation into the workspace uint8 [H, S, record bytes]
+    (13,824 in the flashkda mode, 23,040 in the fp32 mode)."""
+    target, _, record_bytes, _ = _prefill_calls(numerics)
     if q.ndim != 3:
         raise ValueError(f"q: expected [T_total, H, 128], got shape {tuple(q.shape)}")
-    if inverse not in contract.INVERSE_IDS:
-        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
+    if inverse not in contract.INVERSE_IDS or (numerics == "fp32" and inverse != "stable"):
+        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)} ('stable' in "
+                         f"the fp32 mode), got {inverse!r}")
     total, heads = q.shape[0], q.shape[1]
     cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
     if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
@@ -189,8 +196,8 @@ def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_boun
     _expect("A_log", A_log, jnp.float32, (heads,))
     _expect("dt_bias", dt_bias, jnp.float32, (heads, HEAD_DIM))
     slots = contract.workspace_slots(total, cu_seqlens.shape[0] - 1)
-    workspace = jax.ShapeDtypeStruct((heads, slots, contract.RECORD_BYTES), jnp.uint8)
-    call = jax.ffi.ffi_call(contract.PREPARE_TARGET, workspace)
+    workspace = jax.ShapeDtypeStruct((heads, slots, record_bytes), jnp.uint8)
+    call = jax.ffi.ffi_call(target, workspace)
     # Attributes must be numpy 32-bit scalars: Python scalars lower as 64-bit and fail to decode.
     return call(q, k, g, beta, A_log, dt_bias, cu_seqlens, scale=np.float32(scale),
                 lower_bound=np.float32(lower_bound),
@@ -206,12 +213,16 @@ def block_v_attribute(launch: RecurrenceLaunch) -> int:
 
 
 def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: RecurrenceLaunch,
-                    alias_state=True):
+                    alias_state=True, numerics="flashkda"):
     """Custom call 2: the chunk recurrence. Returns (out bf16 [T_total, H, 128],
-    final_state bf16 [N, H, 128, 128]); same bits for every launch. With alias_state the final
-    state is written into state0's buffer (XLA copies first unless the caller donated it)."""
+    final_state [N, H, 128, 128]: bf16 in the flashkda mode, f32 in the fp32 mode, the dtype
+    state0 must have); same bits for every launch. With alias_state the final state is written
+    into state0's buffer (XLA copies first unless the caller donated it)."""
+    _, target, record_bytes, state_dtype = _prefill_calls(numerics)
     if v.ndim != 3:
         raise ValueError(f"v: expected [T_total, H, 128], got shape {tuple(v.shape)}")
+    if numerics == "fp32" and launch.kernel != "column_split":
+        raise ValueError("the fp32 numerics mode runs the column-split recurrence only")
     block_v = block_v_attribute(launch)
     total, heads = v.shape[0], v.shape[1]
     cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -221,13 +232,13 @@ def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: Recurrenc
     _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
     _expect("beta", beta, jnp.bfloat16, (total, heads))
     _expect("workspace", workspace, jnp.uint8,
-            (heads, contract.workspace_slots(total, num_seqs), contract.RECORD_BYTES))
-    _expect("initial_state", state0, jnp.bfloat16, (num_seqs, heads, HEAD_DIM, HEAD_DIM))
+            (heads, contract.workspace_slots(total, num_seqs), record_bytes))
+    _expect("initial_state", state0, state_dtype, (num_seqs, heads, HEAD_DIM, HEAD_DIM))
     results = (
         jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
-        jax.ShapeDtypeStruct(state0.shape, jnp.bfloat16),
+        jax.ShapeDtypeStruct(state0.shape, state_dtype),
     )
-    call = jax.ffi.ffi_call(contract.RECURRENCE_TARGET, results,
+    call = jax.ffi.ffi_call(target, results,
                             input_output_aliases={4: 1} if alias_state else None)
     return call(v, beta, workspace, cu_seqlens, state0, block_v=np.int32(block_v))
 

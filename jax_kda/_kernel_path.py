@@ -27,10 +27,12 @@ class PrefillOptions:
 
 
 def prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, *, problem: Problem, inverse: str):
-    """The prepare kernel on [B, T, ...] inputs: the workspace [H, slots, 13824]."""
+    """The prepare kernel of problem.numerics on [B, T, ...] inputs: the workspace [H, slots,
+    record bytes]."""
     return _ffi.prepare_call(
         _flat(q), _flat(k), _flat(g), _flat(beta), A_log, dt_bias, cu,
         scale=problem.scale, lower_bound=problem.lower_bound, inverse=inverse,
+        numerics=problem.numerics,
     )
 
 
@@ -40,10 +42,13 @@ def plain_recurrence(v, beta, workspace, cu, state, *, problem: Problem,
     bf16 state; an f32 one is rounded on entry and the result widened, which is what the
     numerics do anyway. Returns (out [B, T, H, 128], final state in problem.state_dtype)."""
     N, H = problem.num_seqs, problem.heads
-    state = (jnp.zeros((N, H, HEAD_DIM, HEAD_DIM), jnp.bfloat16) if state is None
-             else state.astype(jnp.bfloat16))
+    # the kernel's state dtype: bf16 (flashkda), f32 (fp32: a bf16 state is widened exactly)
+    kernel_dtype = jnp.float32 if problem.numerics == "fp32" else jnp.bfloat16
+    state = (jnp.zeros((N, H, HEAD_DIM, HEAD_DIM), kernel_dtype) if state is None
+             else state.astype(kernel_dtype))
     out, final = _ffi.recurrence_call(_flat(v), _flat(beta), workspace, cu, state,
-                                      launch=_launch.resolve(launch, num_seqs=N, heads=H))
+                                      launch=_launch.resolve(launch, num_seqs=N, heads=H),
+                                      numerics=problem.numerics)
     return out.reshape(v.shape), final.astype(problem.state_dtype)
 
 
@@ -67,6 +72,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     launch = _launch.resolve(options.launch, num_seqs=N, heads=H)
     workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem,
                                   inverse=options.inverse)
+    if problem.numerics == "fp32" and problem.pool_rows is not None:
+        return _fp32_on_pool_rows(v, beta, workspace, cu, state, state_indices, problem=problem,
+                                  launch=launch)
     if problem.pool_rows is None and problem.checkpoint_every is None:
         out, final = plain_recurrence(v, beta, workspace, cu, state, problem=problem,
                                       launch=launch)
@@ -91,10 +99,28 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     return vary_like(out.reshape(q.shape), v), vary_like(pool, v), ckpts
 
 
+def _fp32_on_pool_rows(v, beta, workspace, cu, pool, state_indices, *, problem: Problem,
+                       launch: RecurrenceLaunch):
+    """The fp32 mode on a state pool: the rows are gathered, run through the plain fp32
+    recurrence and scattered back (XLA updates a donated pool in place); padding slots read
+    zeros, write nothing and get zero outputs, as the pool kernels do."""
+    rows = _state_pool.gather(pool, state_indices)
+    out, final = plain_recurrence(v, beta, workspace, cu, rows, problem=problem, launch=launch)
+    padding = ~_state_pool.valid_rows(state_indices, problem.pool_rows)
+    padded = _state_pool.padding_tokens(problem, cu if problem.varlen else None, padding)
+    out = jnp.where(padded[..., None, None], jnp.zeros((), out.dtype), out)
+    return (vary_like(out, v), vary_like(_state_pool.scatter(pool, state_indices, final), v),
+            None)
+
+
 def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem,
            inverse: str):
     """(out [N, t, H, 128], updated state or pool, intermediate states [N, t, H, 128, 128] or
-    None) from the fused decode kernel, for arrays of exactly `problem`'s shapes."""
+    None) from the fused decode kernel, for arrays of exactly `problem`'s shapes; in the fp32
+    mode from the fp32 prefill kernels on the t tokens (B = N, T = t)."""
+    if problem.numerics == "fp32":
+        return _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices,
+                            problem=problem)
     if state_indices is None:
         state_indices = _state_pool.identity_indices(problem.num_seqs)
     out, pool, states = _ffi.decode_call(
@@ -104,3 +130,18 @@ def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: D
     )
     states = vary_like(states, v) if problem.intermediate_states else None
     return vary_like(out, v), vary_like(pool, v), states
+
+
+def _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
+                 problem: DecodeProblem):
+    """kda_decode in the fp32 mode: kda_prefill's fp32 kernels on the N x t tokens, on the
+    gathered pool rows (the result scattered back); no fused kernel exists for this mode."""
+    N, t, H = problem.num_seqs, problem.tokens, problem.heads
+    prefill_problem = Problem(
+        batch=N, seqlen=t, heads=H, num_seqs=N, varlen=False, state_dtype=problem.state_dtype,
+        scale=problem.scale, lower_bound=problem.lower_bound,
+        pool_rows=problem.pool_rows if problem.indexed else None, numerics="fp32")
+    options = PrefillOptions("stable", _launch.RecurrenceLaunch())
+    out, new_state, _ = prefill(q, k, v, g, beta, A_log, dt_bias, state, None, state_indices,
+                                None, problem=prefill_problem, options=options)
+    return out, new_state, None

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _state_pool, reference
+from . import _state_pool, reference, reference_fp32
 from ._checks import DecodeProblem, Problem
 from .checkpoints import checkpoint_offsets
 
@@ -22,32 +22,29 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     """(out, final state or updated pool, checkpoints or None), as the kernel path returns."""
     pooled = state_indices is not None
     state0 = _state_pool.gather(state, state_indices) if pooled else state
-    out, final, *ckpts = reference.kda_prefill_reference(
-        q, k, v, g, beta, A_log, dt_bias, scale=problem.scale, lower_bound=problem.lower_bound,
-        initial_state=state0, cu_seqlens=cu, inverse=inverse,
-        checkpoint_every=problem.checkpoint_every, checkpoint_offsets=ckpt_offsets,
-        checkpoint_rows=problem.checkpoint_capacity if problem.checkpoint_every else None,
-    )
+    if problem.numerics == "fp32":  # no checkpoints in this mode (_checks)
+        out, final = reference_fp32.kda_prefill_reference_fp32(
+            q, k, v, g, beta, A_log, dt_bias, scale=problem.scale,
+            lower_bound=problem.lower_bound, initial_state=state0, cu_seqlens=cu, inverse=inverse)
+        ckpts = []
+    else:
+        out, final, *ckpts = reference.kda_prefill_reference(
+            q, k, v, g, beta, A_log, dt_bias, scale=problem.scale,
+            lower_bound=problem.lower_bound, initial_state=state0, cu_seqlens=cu,
+            inverse=inverse, checkpoint_every=problem.checkpoint_every,
+            checkpoint_offsets=ckpt_offsets,
+            checkpoint_rows=problem.checkpoint_capacity if problem.checkpoint_every else None,
+        )
     ckpts = ckpts[0].astype(problem.state_dtype) if ckpts else None
     if not pooled:
         return out, final.astype(problem.state_dtype), ckpts
     padding = ~_state_pool.valid_rows(state_indices, problem.pool_rows)
-    out = jnp.where(_padding_tokens(problem, cu, padding)[..., None, None], 0, out).astype(out.dtype)
+    out = jnp.where(_state_pool.padding_tokens(problem, cu, padding)[..., None, None], 0,
+                    out).astype(out.dtype)
     if ckpts is not None:
         ckpts = jnp.where(_padding_checkpoints(problem, cu, padding, ckpt_offsets)[
             :, None, None, None], 0, ckpts).astype(ckpts.dtype)
     return out, _state_pool.scatter(state, state_indices, final), ckpts
-
-
-def _padding_tokens(problem: Problem, cu, padding):
-    """bool [B, T]: tokens that belong to a padding sequence."""
-    if cu is None:
-        return jnp.broadcast_to(padding[:, None], (problem.batch, problem.seqlen))
-    bounds = jnp.clip(cu, 0, problem.seqlen)
-    token = jnp.arange(problem.seqlen)
-    owner = jnp.searchsorted(bounds, token, side="right") - 1  # the sequence holding each token
-    inside = (owner >= 0) & (owner < problem.num_seqs)
-    return (inside & padding[jnp.clip(owner, 0, problem.num_seqs - 1)])[None]
 
 
 def _padding_checkpoints(problem: Problem, cu, padding, offsets=None):
@@ -69,7 +66,9 @@ def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: D
     the t tokens (B = N, T = t), and on each prefix of them for the intermediate states."""
     pooled = state_indices is not None
     state0 = _state_pool.gather(state, state_indices) if pooled else state
-    run = functools.partial(reference.kda_prefill_reference, scale=problem.scale,
+    prefill_reference = (reference_fp32.kda_prefill_reference_fp32 if problem.numerics == "fp32"
+                         else reference.kda_prefill_reference)
+    run = functools.partial(prefill_reference, scale=problem.scale,
                             lower_bound=problem.lower_bound, initial_state=state0,
                             inverse=inverse)
     out, final = run(q, k, v, g, beta, A_log, dt_bias)

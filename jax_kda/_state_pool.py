@@ -41,3 +41,15 @@ def fold_indices(state_indices, pool_rows: int):
 def identity_indices(num_seqs: int):
     """Sequence n owns row n (a per-sequence state passed as a pool of N rows)."""
     return jnp.arange(num_seqs, dtype=jnp.int32)
+
+
+def padding_tokens(problem, cu, padding):
+    """bool [B, T]: the tokens of a prefill `problem` (jax_kda._checks.Problem) that belong to a
+    padding sequence (padding: bool [N]); cu: None (batched) or int32 [N + 1]."""
+    if cu is None:
+        return jnp.broadcast_to(padding[:, None], (problem.batch, problem.seqlen))
+    bounds = jnp.clip(cu, 0, problem.seqlen)
+    token = jnp.arange(problem.seqlen)
+    owner = jnp.searchsorted(bounds, token, side="right") - 1  # the sequence holding each token
+    inside = (owner >= 0) & (owner < problem.num_seqs)
+    return (inside & padding[jnp.clip(owner, 0, problem.num_seqs - 1)])[None]

@@ -42,6 +42,7 @@ def kda_prefill(
     recurrence="column_split",
     state_indices=None,
     checkpoint_every=None,
+    numerics="flashkda",
 ):
     """Kimi Delta Attention prefill (chunked delta-rule recurrence), forward only.
 
@@ -53,8 +54,9 @@ def kda_prefill(
       lower_bound: gate lower bound in [-5, 0) (static).
       initial_state: None (zeros) or bf16/f32 [N, H, 128, 128], stored V-major: state[n, h, v, k];
         with state_indices, a state pool [P, H, 128, 128].
-      output_final_state: return the final state (dtype of initial_state, bf16 if none given);
-        with state_indices, the updated pool.
+      output_final_state: return the final state (dtype of initial_state; if none is given,
+        bf16 with numerics="flashkda" and f32 with numerics="fp32"); with state_indices, the
+        updated pool.
       cu_seqlens: None, or int32/int64 [N+1] with B == 1: packed variable-length sequences.
       inverse: "stable" (default) or "neumann" (FlashKDA v1's; NaN/Inf on near-collinear keys).
       backend: "auto" (GPU kernels on CUDA when built, else the reference, decided per platform
@@ -71,6 +73,14 @@ def kda_prefill(
         jit and are treated as padding.
       checkpoint_every: None, or a positive multiple n of 16: also return each sequence's states
         after n, 2n, ... tokens strictly before its end (jax_kda.checkpoints says where each is).
+        numerics="flashkda" only.
+      numerics: "flashkda" (default): FlashKDA's bf16 arithmetic, bit for bit (bf16 workspace,
+        bf16 state rounded after every chunk). "fp32": the same bf16 inputs and outputs with
+        everything between them at close to f32 precision (f32 state for the whole sequence,
+        hi/lo bf16 pairs on the tensor cores; docs/fp32_mode.md): ~3x less error against an
+        exact computation, bitwise equal across column splits and runs, not bitwise FlashKDA's.
+        It takes inverse="stable" and the column-split recurrence; an f32 initial state is read
+        without rounding, a bf16 one widened.
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the
@@ -84,13 +94,18 @@ def kda_prefill(
     heads are partitioned over heads: each device runs its local heads (jax_kda._partitioning);
     jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports.
     """
-    _checks.check_options("kda_prefill", inverse, backend)
+    _checks.check_options("kda_prefill", inverse, backend, numerics)
     launch = _launch.requested(recurrence, column_split)
     problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        state_indices=state_indices, checkpoint_every=checkpoint_every,
+        state_indices=state_indices, checkpoint_every=checkpoint_every, numerics=numerics,
     )
+    if launch.kernel == "baseline" and numerics == "fp32":
+        raise ValueError(
+            "kda_prefill: recurrence='baseline' runs numerics='flashkda' only; numerics='fp32' "
+            "runs the column-split recurrence (recurrence='column_split')"
+        )
     if launch.kernel == "baseline" and (state_indices is not None or checkpoint_every is not None):
         raise ValueError(
             "kda_prefill: recurrence='baseline' runs plain prefill only; state pools "
@@ -102,7 +117,8 @@ def kda_prefill(
     if explicit is not None:  # heads sharded in the types: run the local heads under shard_map
         options = {"scale": problem.scale, "lower_bound": problem.lower_bound,
                    "inverse": inverse, "backend": backend, "column_split": column_split,
-                   "recurrence": recurrence, "checkpoint_every": checkpoint_every}
+                   "recurrence": recurrence, "checkpoint_every": checkpoint_every,
+                   "numerics": numerics}
         out, final_state, checkpoints = _partitioning.shard_over_heads(
             functools.partial(_local_prefill, options=options), _partitioning.PREFILL,
             (*arrays, None), *explicit)
@@ -124,6 +140,7 @@ def kda_decode(
     inverse="stable",
     backend="auto",
     output_intermediate_states=False,
+    numerics="flashkda",
 ):
     """A KDA decode (or speculative-verify) step: t <= 16 new tokens per sequence, from and to
     a state per sequence or a state pool.
@@ -141,23 +158,28 @@ def kda_decode(
       output_intermediate_states: also return the state after each of the t tokens
         ([N, t, H, 128, 128], the state's dtype; entry i is bitwise kda_prefill's final state
         on the first i + 1 tokens), for speculative decoding that accepts a prefix.
+        numerics="flashkda" only.
+      numerics: as kda_prefill; "fp32" runs kda_prefill's fp32 kernels on the t tokens (there
+        is no fused fp32 decode kernel) and is bitwise kda_prefill(numerics="fp32") on them.
 
     Returns:
       (out bf16 [N, t, H, 128], new state or updated pool), plus the intermediate states as a
       third element when asked for. The update is in place when the caller donates `state`
       (jax.jit(..., donate_argnames="state")).
     """
-    _checks.check_options("kda_decode", inverse, backend)
+    _checks.check_options("kda_decode", inverse, backend, numerics)
     problem = _checks.check_decode(
         q, k, v, g, beta, A_log, dt_bias, state=state, state_indices=state_indices, scale=scale,
         lower_bound=lower_bound, output_intermediate_states=output_intermediate_states,
+        numerics=numerics,
     )
     arrays = (q, k, v, g, beta, A_log, dt_bias, state, state_indices)
     explicit = _partitioning.explicit_head_mesh(q, head_axis=2)
     if explicit is not None:  # heads sharded in the types: run the local heads under shard_map
         options = {"scale": problem.scale, "lower_bound": problem.lower_bound,
                    "inverse": inverse, "backend": backend,
-                   "output_intermediate_states": output_intermediate_states}
+                   "output_intermediate_states": output_intermediate_states,
+                   "numerics": numerics}
         out, new_state, states = _partitioning.shard_over_heads(
             functools.partial(_local_decode, options=options), _partitioning.DECODE, arrays,
             *explicit)

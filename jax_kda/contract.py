@@ -32,6 +32,33 @@ MQK_OFFSET = 13312
 RECORD_BYTES = 13824
 
 
+# The "fp32" numerics mode's record (docs/fp32_mode.md section 3): hi/lo bf16 pairs instead of
+# single bf16 tiles; kd has no lo (P = kd . S^T uses only kd's hi). Tiles are swizzled like the
+# bf16 record's; gt f32 [128]; INV and Mqk hi/lo bf16 [16, 16] row-major. Every field starts on a
+# 512-byte boundary and the hi tiles keep the bf16 record's offsets.
+FP32_RECORD = {
+    "kd_hi": 0,
+    "qd_hi": 4096,
+    "kr_hi": 8192,
+    "qd_lo": 12288,
+    "kr_lo": 16384,
+    "gt": 20480,
+    "inv_hi": 20992,
+    "inv_lo": 21504,
+    "mqk_hi": 22016,
+    "mqk_lo": 22528,
+}
+FP32_RECORD_BYTES = 23040
+
+# kda_prefill's `numerics`: the bitwise FlashKDA arithmetic (default) or the float32 mode.
+NUMERICS = ("flashkda", "fp32")
+
+
+def record_bytes(numerics: str) -> int:
+    """Bytes of one workspace record in a numerics mode."""
+    return {"flashkda": RECORD_BYTES, "fp32": FP32_RECORD_BYTES}[numerics]
+
+
 def workspace_slots(total_tokens: int, num_seqs: int) -> int:
     """Chunk slots of a workspace: ceil(T_total / 16) + N. Chunk c of sequence n lives in slot
     cu_seqlens[n] // 16 + n + c, so every sequence starts a fresh slot whatever its offset."""
@@ -48,14 +75,18 @@ STATE_DTYPE_IDS = {"bf16": 0, "f32": 1}  # state pools and checkpoints (chosen b
 MAX_DECODE_TOKENS = CHUNK  # the decode kernel runs one chunk: up to 16 tokens per sequence
 
 # ---- targets and architectures ------------------------------------------------------------------
-ABI_VERSION = 2  # bumped whenever docs/kernel_abi.md changes incompatibly
+ABI_VERSION = 3  # bumped whenever docs/kernel_abi.md changes incompatibly
 PREPARE_TARGET = "jax_kda_prepare_v1"
 RECURRENCE_TARGET = "jax_kda_recurrence_v1"
 # The recurrence on a state pool (state_indices, bf16 or f32 rows updated in place), with
 # optional checkpoints.
 RECURRENCE_POOL_TARGET = "jax_kda_recurrence_pool_v1"
 DECODE_TARGET = "jax_kda_decode_v1"  # prepare + one chunk for t <= 16 tokens on a state pool
-CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET)
+# The fp32 numerics mode's prepare (23,040-byte records) and column-split recurrence (f32 states).
+PREPARE_FP32_TARGET = "jax_kda_prepare_fp32_v1"
+RECURRENCE_FP32_TARGET = "jax_kda_recurrence_fp32_v1"
+CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET,
+                       PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET)
 # CuTe DSL target -> (major, minor) compute capability it runs on. The "a" targets are not
 # forward compatible: sm_90a runs on 9.0 only, sm_100a on 10.0 only.
 ARCHS = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
@@ -94,6 +125,7 @@ def cpp_header() -> str:
         f"constexpr int64_t kHeadDim = {HEAD_DIM};",
         f"constexpr int64_t kChunk = {CHUNK};",
         f"constexpr int64_t kRecordBytes = {RECORD_BYTES};",
+        f"constexpr int64_t kFp32RecordBytes = {FP32_RECORD_BYTES};",
         f"constexpr int32_t kBaselineBlockV = {BASELINE_BLOCK_V};",
         f"constexpr int32_t kColumnSplits[] = {{{splits}}};",
         f"constexpr int32_t kInverseStable = {INVERSE_IDS['stable']};",

@@ -5,6 +5,8 @@
 #   STAGES: any of "smoke serving checkpoints tests sanitizer bench multigpu profile grid parity"
 #           (default: tests sanitizer bench)
 #   WHEEL_DIR: where the built wheel is (default .whl)
+#   SANITIZER_CASE: the script the sanitizer stage runs (default sanitizer_case.py; the fp32
+#           mode's: sanitizer_case_fp32.py)
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$REPO/gpu_out}"; mkdir -p "$OUT"
@@ -35,9 +37,9 @@ for stage in $STAGES; do
     sanitizer)
       for tool in memcheck racecheck; do
         echo "== compute-sanitizer $tool"
-        (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout 150 compute-sanitizer --tool $tool --kernel-name kns=jax_kdakernels \
+        (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout ${SANITIZER_TIMEOUT:-150} compute-sanitizer --tool $tool --kernel-name kns=jax_kdakernels \
           --error-exitcode 9 \
-          python3 "$REPO/scripts/sanitizer_case.py") 2>&1 | tail -n 25
+          python3 "$REPO/scripts/${SANITIZER_CASE:-sanitizer_case.py}") 2>&1 | tail -n 25
         echo "compute-sanitizer $tool exit ${PIPESTATUS[0]}"
       done ;;
     multigpu)

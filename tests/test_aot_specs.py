@@ -42,6 +42,24 @@ def test_every_recurrence_kernel_goes_into_the_recurrence_table(tmp_path):
     assert '#include "jax_kda_recurrence_baseline_sm90a.h"' in headers
 
 
+def test_fp32_mode_kernels_have_their_own_tables(tmp_path):
+    chosen = specs.all_specs(("sm_90a",))
+    fp32 = [s for s in chosen if s.kernel.endswith("_fp32")]
+    assert sorted(s.prefix for s in fp32) == sorted(
+        ["jax_kda_prepare_fp32_sm90a"]
+        + [f"jax_kda_recurrence_fp32_bv{bv}_sm90a" for bv in contract.COLUMN_SPLITS])
+    assert {s.call for s in fp32} == {"prepare_fp32", "recurrence_fp32"}
+    build._write_spec_lists(tmp_path, chosen)
+    lines = (tmp_path / "kernels_specs.inc").read_text().splitlines()
+    # the prepare's inverse attribute is the stable id; recurrences are keyed by block_v
+    assert (f"JAX_KDA_PREPARE_FP32(jax_kda_prepare_fp32_sm90a, {contract.INVERSE_IDS['stable']}, 90)"
+            in lines)
+    assert "JAX_KDA_RECURRENCE_FP32(jax_kda_recurrence_fp32_bv64_sm90a, 64, 90)" in lines
+    # and not in the flashkda tables
+    assert not any(line.startswith(("JAX_KDA_PREPARE(", "JAX_KDA_RECURRENCE("))
+                   and "fp32" in line for line in lines)
+
+
 def test_the_command_line_cmake_runs_lists_every_prefix():
     listed = subprocess.run([sys.executable, specs.__file__], capture_output=True, text=True,
                             check=True, env={"JAX_KDA_ARCHS": ",".join(contract.ARCHS)})

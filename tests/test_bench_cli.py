@@ -521,3 +521,265 @@ def test_decode_table_shows_floor_and_bandwidth():
     assert f"{c['state_bytes'] / 4.3e12 * 1e6:.1f}" in line  # the floor, 11.7 us
     assert f"25.0 (1.00x) {rows[0]['achieved_tb_s']:.2f} TB/s" in line
     assert f"50.0 (0.50x) {rows[1]['achieved_tb_s']:.2f} TB/s" in line
+
+
+# --- numerics modes ------------------------------------------------------------------------------
+
+def _cpu_env():
+    """This environment on the CPU: no GPU kernels, whatever the machine has."""
+    return os.environ | {"JAX_PLATFORMS": "cpu"}
+
+
+def test_numerics_dry_run_lists_each_modes_variants():
+    done = subprocess.run([sys.executable, "-m", "jax_kda.bench", "--numerics", "flashkda,fp32",
+                           "--variants", "prepare,recurrence,total,reference", "--block-v",
+                           "16,auto", "--total-block-v", "128,auto", "--compare", "jla",
+                           "--seqlen", "16", "--heads", "1", "--dry-run"],
+                          capture_output=True, text=True, timeout=300, check=False, env=_cpu_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the flashkda names are those of earlier results; the fp32 ones carry the mode
+    assert ("variants: prepare, recurrence:bv=16, recurrence:bv=auto, total:bv=128, "
+            "total:bv=auto, reference, prepare:fp32, recurrence:fp32:bv=16, "
+            "recurrence:fp32:bv=auto, total:fp32:bv=128, total:fp32:bv=auto, reference:fp32, "
+            "jla (baseline total:bv=128)") in done.stdout
+
+
+def test_unknown_numerics_fails_naming_the_option():
+    done = subprocess.run([sys.executable, "-m", "jax_kda.bench", "--numerics", "flashkda,fp16",
+                           "--dry-run"], capture_output=True, text=True, timeout=300,
+                          check=False, env=_cpu_env())
+    assert done.returncode != 0 and "--numerics" in done.stderr and "fp16" in done.stderr
+
+
+def test_numerics_modes_make_variants_per_mode_and_keep_decode_in_flashkda():
+    from jax_kda.bench import cli
+
+    args = cli._parser().parse_args(["--numerics", "fp32,flashkda", "--variants",
+                                     "total,reference,decode", "--total-block-v", "auto"])
+    variants = cli._variants(args, True)
+    assert [(v.name, v.numerics) for v in variants] == [
+        ("total:fp32:bv=auto", "fp32"), ("reference:fp32", "fp32"),
+        ("total:bv=auto", "flashkda"), ("reference", "flashkda"), ("decode", "flashkda")]
+    decode, prefill = cases.DecodeCase(2, 1), cases.Case((16,), 1)
+    assert [v.name for v in variants if cli._applies(v, decode)] == ["reference", "decode"]
+    assert [v.name for v in variants if cli._applies(v, prefill)] == [
+        "total:fp32:bv=auto", "reference:fp32", "total:bv=auto", "reference"]
+
+
+FP32_CASES = {"T64_H2", "varlen[17,0,40]_H1"}
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
+    """The tiny preset on the CPU in both modes: the references run, the baseline kernel has no
+    fp32 mode, and jla (not installed here) is skipped."""
+    out = tmp_path_factory.mktemp("bench_fp32")
+    cmd = [sys.executable, "-m", "jax_kda.bench", "--preset", "tiny", "--numerics",
+           "flashkda,fp32", "--variants", "reference,recurrence", "--block-v", "baseline",
+           "--compare", "jla", "--repeats", "2", "--warmup", "0", "--inner", "1",
+           "--out", str(out), "--tag", "fp32", "--no-plot", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
+                          env=_cpu_env())
+    return out, done
+
+
+def test_fp32_reference_runs_and_rows_record_the_mode(fp32_run):
+    out, done = fp32_run
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((out / "fp32.json").read_text())
+    assert data["meta"]["numerics"] == ["flashkda", "fp32"]
+    got = {(r["case"], r["variant"]): r for r in data["results"]}
+    assert set(got) == {(c, v) for c in FP32_CASES
+                        for v in ("reference", "recurrence:bv=baseline", "reference:fp32",
+                                  "recurrence:fp32:bv=baseline", "jla")}
+    for case in FP32_CASES:
+        fp32, flashkda = got[(case, "reference:fp32")], got[(case, "reference")]
+        assert fp32["status"] == "ok" and fp32["numerics"] == "fp32", fp32
+        assert fp32["kind"] == "reference" and len(fp32["samples_us"]) == 2
+        assert flashkda["status"] == "ok" and flashkda["numerics"] == "flashkda"
+        # against the run's baseline, the flashkda reference, as every other variant
+        assert fp32["ratio_vs_baseline"] == pytest.approx(flashkda["median_us"] / fp32["median_us"])
+        baseline_kernel = got[(case, "recurrence:fp32:bv=baseline")]
+        assert baseline_kernel["status"] == "skipped" and baseline_kernel["numerics"] == "fp32"
+        assert "column-split recurrence only" in baseline_kernel["error"]
+        assert got[(case, "jla")]["numerics"] is None  # a peer, not a jax_kda mode
+    rows = {(r["case"], r["variant"]): r for r in csv.DictReader((out / "fp32.csv").open())}
+    assert rows[("T64_H2", "reference:fp32")]["numerics"] == "fp32"
+    assert rows[("T64_H2", "reference")]["numerics"] == "flashkda"
+    assert rows[("T64_H2", "jla")]["numerics"] == ""
+
+
+def test_jla_without_jla_is_skipped_with_a_reason(fp32_run):
+    out, _ = fp32_run
+    data = json.loads((out / "fp32.json").read_text())
+    got = {r["case"]: r for r in data["results"] if r["variant"] == "jla"}
+    single, packed = got["T64_H2"], got["varlen[17,0,40]_H1"]
+    assert single["status"] == "skipped" and "jla" in single["error"], single
+    assert packed["status"] == "skipped" and "cu_seqlens" in packed["error"], packed
+    assert data["meta"]["compare_versions"] == {"jla": None}
+
+
+def test_fp32_reference_variant_passes_the_mode_and_an_f32_state():
+    from jax_kda.bench import inputs, jax_variants
+
+    case = cases.Case((24,), 2)
+    x = inputs.to_jax(inputs.make_inputs(case))
+    runs = {}
+    for numerics in ("flashkda", "fp32"):
+        fn, args, _, _ = jax_variants.build(jax_variants.Variant("reference", numerics=numerics),
+                                            case, x, inverse="stable")
+        runs[numerics] = (args[-1], *fn(*args))
+    state, out, final = runs["fp32"]
+    assert state.dtype == jnp.float32 and final.dtype == jnp.float32
+    assert jnp.array_equal(state, x["state"].astype(jnp.float32))
+    state, out_bf16, final_bf16 = runs["flashkda"]
+    assert state is x["state"] and final_bf16.dtype == jnp.bfloat16
+    assert not jnp.array_equal(out, out_bf16)  # the two modes' arithmetic differ in the last bits
+
+
+def test_fp32_variants_that_kda_prefill_lacks_are_unavailable():
+    from jax_kda.bench import inputs, jax_variants
+
+    case = cases.Case((16,), 1)
+    x = inputs.to_jax(inputs.make_inputs(case))
+    for variant, inverse, reason in [
+            (jax_variants.Variant("total", "baseline", "fp32"), "stable", "column-split"),
+            (jax_variants.Variant("reference", numerics="fp32"), "neumann", "one inverse")]:
+        with pytest.raises(jax_variants.VariantUnavailable, match=reason):
+            jax_variants.build(variant, case, x, inverse=inverse)
+
+
+@pytest.mark.parametrize("kind,block_v,prepares,recurrences", [
+    ("prepare", None, 3, 0), ("recurrence", 32, 0, 3), ("recurrence", "auto", 0, 3),
+    ("total", 64, 3, 3), ("total", "auto", 3, 3)])
+def test_fp32_kernel_variants_lower_to_the_fp32_custom_calls_on_f32_states(
+        monkeypatch, kind, block_v, prepares, recurrences):
+    """What the GPU timing of the fp32 mode compiles: its own kernels, and an f32 state from call
+    to call (no bf16 state anywhere in the chain)."""
+    from jax_kda import api, contract
+    from jax_kda.bench import inputs, jax_variants
+
+    monkeypatch.setattr(jax_variants, "kernels_status", lambda: (True, ""))
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)  # no GPU here; lowering only
+
+    def abstract_workspace(prepare, args):
+        return jax.ShapeDtypeStruct(jax.eval_shape(prepare, *args).shape, jnp.uint8)
+
+    monkeypatch.setattr(jax_variants, "compute_workspace", abstract_workspace)
+    case = cases.Case((40, 0, 17), 3, "varlen")
+    x = inputs.to_jax(inputs.make_inputs(case))
+    fn, args, feedback, info = jax_variants.build(jax_variants.Variant(kind, block_v, "fp32"),
+                                                  case, x, inverse="stable")
+    text = (timing.chain_jax(fn, 3, feedback).trace(*args)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    assert text.count(f"@{contract.PREPARE_FP32_TARGET}") == prepares
+    assert text.count(f"@{contract.RECURRENCE_FP32_TARGET}") == recurrences
+    assert text.count(f"@{contract.PREPARE_TARGET}") == text.count(
+        f"@{contract.RECURRENCE_TARGET}") == 0
+    if recurrences:
+        assert re.findall(r"block_v = (\d+) : i32", text) == [str(info["block_v_used"])] * 3
+        assert set(re.findall(r"tensor<3x3x128x128x(\w+)>", text)) == {"f32"}
+
+
+# --- the jla peer --------------------------------------------------------------------------------
+
+class FakeJla:
+    """Stands in for jla.ops.mosaic_gpu.kda (the real one needs a Hopper GPU): records what
+    kda receives and returns (v, initial_state / 2), so a chain of calls shows in the state."""
+
+    def __init__(self, supported=True):
+        self.calls = []
+        self.supported = supported
+
+    def kda(self, q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+            cu_seqlens=None, segment_ids=None, use_qk_l2norm=False, chunk_size=64, sub_chunk=16):
+        self.calls.append({"q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale,
+                           "initial_state": initial_state, "cu_seqlens": cu_seqlens,
+                           "output_final_state": output_final_state,
+                           "use_qk_l2norm": use_qk_l2norm})
+        return v, (initial_state / 2 if output_final_state else None)
+
+    def supports_kda(self, q, k, v, g, beta, **options):
+        return self.supported
+
+    def install(self, monkeypatch):
+        import types
+
+        kda_module = types.ModuleType("jla.ops.mosaic_gpu.kda")
+        kda_module.kda, kda_module.supports_kda = self.kda, self.supports_kda
+        checks = types.ModuleType("jla.ops.mosaic_gpu.vector_gate_ops")
+        checks.unsupported_reason = lambda *args: "the kernels need an sm_90 (Hopper) GPU"
+        root = types.ModuleType("jla")
+        root.__version__ = "0.0.fake"
+        for name, module in (("jla", root), ("jla.ops", types.ModuleType("jla.ops")),
+                             ("jla.ops.mosaic_gpu", types.ModuleType("jla.ops.mosaic_gpu")),
+                             ("jla.ops.mosaic_gpu.kda", kda_module),
+                             ("jla.ops.mosaic_gpu.vector_gate_ops", checks)):
+            monkeypatch.setitem(sys.modules, name, module)
+        return self
+
+
+def test_jla_receives_its_gate_beta_and_transposed_state(monkeypatch):
+    import numpy as np
+
+    from jax_kda.bench import inputs, jla_compare
+
+    fake = FakeJla().install(monkeypatch)
+    case = cases.Case((40, 40), 2)  # batched: B = 2
+    x = inputs.to_jax(inputs.make_inputs(case, seed=3))
+    fn, args, feedback, info = jla_compare.build(case, x)
+    with jax.disable_jit():  # one eager call: the fake sees the values, not tracers
+        fn(*args)
+    (call,) = fake.calls
+    f64 = {name: np.asarray(x[name], np.float64) for name in ("g", "beta", "A_log", "dt_bias")}
+    want_g = -5.0 / (1.0 + np.exp(-np.exp(f64["A_log"])[:, None] * (f64["g"] + f64["dt_bias"])))
+    assert call["g"].dtype == jnp.float32 and call["g"].shape == (2, 40, 2, 128)
+    np.testing.assert_allclose(np.asarray(call["g"]), want_g, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(call["g"]) < 0)  # a log-decay: exp(g) < 1 shrinks the state
+    assert call["beta"].dtype == jnp.float32 and call["beta"].shape == (2, 40, 2)
+    np.testing.assert_allclose(np.asarray(call["beta"]), 1 / (1 + np.exp(-f64["beta"])),
+                               rtol=1e-6)
+    state = np.asarray(x["state"], np.float32)  # ours [N, H, V, K]; jla's [B, H, K, V]
+    assert call["initial_state"].dtype == jnp.float32
+    assert np.array_equal(np.asarray(call["initial_state"]), np.swapaxes(state, -1, -2))
+    for name in ("q", "k", "v"):
+        assert call[name].dtype == jnp.bfloat16 and jnp.array_equal(call[name], x[name])
+    assert call["scale"] == pytest.approx(128**-0.5) and call["cu_seqlens"] is None
+    assert call["output_final_state"] and call["use_qk_l2norm"]
+    assert "outside the timed call" in info["notes"]["inputs"]
+    # the state chains: 3 calls of the fake halve it 3 times
+    _, final = timing.chain_jax(fn, 3, feedback)(*args)
+    assert np.array_equal(np.asarray(final), np.swapaxes(state, -1, -2) / 8)
+
+
+def test_jla_that_refuses_the_call_is_skipped_with_its_reason(monkeypatch):
+    from jax_kda.bench import inputs, jax_variants, jla_compare
+
+    FakeJla(supported=False).install(monkeypatch)
+    case = cases.Case((16,), 1)
+    with pytest.raises(jax_variants.VariantUnavailable, match="sm_90"):
+        jla_compare.build(case, inputs.to_jax(inputs.make_inputs(case)))
+    for other in (cases.Case((16, 16), 1, "varlen"), cases.DecodeCase(2, 1)):
+        with pytest.raises(jax_variants.VariantUnavailable):
+            jla_compare.build(other, {})
+
+
+def test_compare_jla_is_timed_in_the_jax_chain(monkeypatch, tmp_path):
+    """--compare jla end to end with the fake: a timed row for the single-sequence case, a
+    skipped one for the packed case."""
+    from jax_kda.bench import cli
+
+    fake = FakeJla().install(monkeypatch)
+    code = cli.main(["--seqlen", "16", "--varlen", "8,8", "--heads", "1", "--variants",
+                     "reference", "--compare", "jla", "--repeats", "2", "--warmup", "0",
+                     "--inner", "2", "--min-chain-ms", "0", "--out", str(tmp_path), "--tag", "j",
+                     "--no-plot", "--no-progress"])
+    assert code == 0
+    data = json.loads((tmp_path / "j.json").read_text())
+    got = {(r["case"], r["variant"]): r for r in data["results"]}
+    timed = got[("T16_H1", "jla")]
+    assert timed["status"] == "ok" and timed["inner"] == 2 and "jit chain" in timed["timer"]
+    assert timed["numerics"] is None and timed["ratio_vs_baseline"] is not None
+    assert got[("varlen2x8_H1", "jla")]["status"] == "skipped"
+    assert data["meta"]["compare_versions"] == {"jla": "0.0.fake"}
+    assert fake.calls  # traced once per chain length (the call is jitted on its own)

@@ -22,7 +22,8 @@ ARCHS_ENV = "JAX_KDA_ARCHS"  # e.g. "sm_90a" to build one architecture only (fas
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    # module in jax_kda/kernels: "prepare" | "recurrence" | "recurrence_baseline" | "decode"
+    # module in jax_kda/kernels: "prepare" | "recurrence" | "recurrence_baseline" | "decode" |
+    # "prepare_fp32" | "recurrence_fp32" (the fp32 numerics mode's prefill kernels)
     kernel: str
     # inverse name (prepare, decode), block_v (recurrence), None (baseline)
     variant: str | int | None
@@ -34,11 +35,13 @@ class Spec:
 
     @property
     def call(self) -> str:
-        """The custom call that launches it: "prepare", "recurrence", "recurrence_pool" or
-        "decode" (docs/kernel_abi.md)."""
+        """The custom call that launches it: "prepare", "recurrence", "recurrence_pool",
+        "decode", "prepare_fp32" or "recurrence_fp32" (docs/kernel_abi.md)."""
         if self.kernel == "recurrence" and self.state_dtype is not None:
             return "recurrence_pool"
-        return {"prepare": "prepare", "decode": "decode"}.get(self.kernel, "recurrence")
+        if self.kernel == "recurrence_baseline":
+            return "recurrence"
+        return self.kernel
 
     @property
     def options(self) -> dict:
@@ -48,14 +51,16 @@ class Spec:
         if self.kernel == "decode":
             return {"inverse": self.variant, "state_dtype": self.state_dtype,
                     "intermediate": self.intermediate}
-        return {"prepare": {"inverse": self.variant}, "recurrence": {"block_v": self.variant}}.get(
-            self.kernel, {})
+        return {"prepare": {"inverse": self.variant}, "recurrence": {"block_v": self.variant},
+                "recurrence_fp32": {"block_v": self.variant}}.get(self.kernel, {})
 
     @property
     def variant_id(self) -> int:
         """The attribute value the custom call carries for this variant (inverse or block_v)."""
         if self.kernel in ("prepare", "decode"):
             return contract.INVERSE_IDS[self.variant]
+        if self.kernel == "prepare_fp32":  # one inverse, the custom call's `inverse` = stable
+            return contract.INVERSE_IDS["stable"]
         if self.kernel == "recurrence_baseline":
             return contract.BASELINE_BLOCK_V
         return int(self.variant)
@@ -78,7 +83,8 @@ class Spec:
         if self.kernel == "decode":
             states = "_states" if self.intermediate else ""
             return f"jax_kda_decode_{self.variant}_{self.state_dtype}{states}_{arch}"
-        tags = {"prepare": f"_{self.variant}", "recurrence": f"_bv{self.variant}"}
+        tags = {"prepare": f"_{self.variant}", "recurrence": f"_bv{self.variant}",
+                "recurrence_fp32": f"_bv{self.variant}"}
         return f"jax_kda_{self.kernel}{tags.get(self.kernel, '')}_{arch}"
 
 
@@ -106,6 +112,8 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
         specs += [Spec("decode", inv, arch, state_dtype=dt, intermediate=states)
                   for inv in contract.INVERSE_IDS for dt in contract.STATE_DTYPE_IDS
                   for states in (False, True)]
+        specs.append(Spec("prepare_fp32", None, arch))
+        specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
     return specs
 
 

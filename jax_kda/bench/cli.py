@@ -5,6 +5,7 @@ Examples:
   python -m jax_kda.bench --seqlen 8192 --heads 96,12,6 --compare fla --compare flashkda
   python -m jax_kda.bench --variants recurrence --block-v 32,64,128,auto --seqlen 8192 --heads 6
   python -m jax_kda.bench --block-v 16,32,baseline --total-block-v baseline,auto  # baseline kernel too
+  python -m jax_kda.bench --numerics flashkda,fp32 --compare jla  # both numerics modes, and jla
   python -m jax_kda.bench --variants reference --seqlen 64 --heads 2   # CPU, tiny
   python -m jax_kda.bench --preset decode --compare fla    # decode steps on a state pool, GPU
   python -m jax_kda.bench --decode 256,12,1 --state-dtype bf16 --pool-extra 64
@@ -15,6 +16,11 @@ tokens each, on a state pool (bf16 or f32) picked by a permutation of its rows: 
 fused kernel through kda_decode), `decode_prefill` (the same step through kda_prefill on the
 pool), `reference`, and with --compare fla fla's fused_recurrent_kda_fwd; each row shows the
 achieved state bandwidth against the floor, the state read + written at --copy-tb-s.
+
+With --numerics flashkda,fp32 the jax_kda variants (prepare, recurrence, total, reference) are
+timed in each numerics mode of kda_prefill; the fp32 mode's are named with its tag (prepare:fp32,
+total:fp32:bv=auto), the default mode's as before (total:bv=auto). --compare jla times
+jax-linear-attention's Mosaic GPU kda (Hopper) through JAX, on batched and single-sequence cases.
 
 Results (<tag>.json, .csv, .png) go to --out, by default $XDG_CACHE_HOME/jax_kda/bench
 (~/.cache/jax_kda/bench when XDG_CACHE_HOME is not set), outside any source tree; the command
@@ -32,17 +38,20 @@ import sys
 import traceback
 from pathlib import Path
 
+from ..contract import NUMERICS
 from . import cases as cases_mod
 from . import decode_variants
 from .jax_variants import (
     AUTO,
     BASELINE,
+    FLASHKDA,
     KINDS,
     Variant,
     VariantUnavailable,
     kernels_status,
 )
 from .progress import progress_bar
+from .torch_compare import BUILDERS as TORCH_PEERS
 from .torch_compare import COMPARE_CHOICES
 
 PREFILL_KINDS = ("prepare", "recurrence", "total")  # the kernel variants of prefill cases
@@ -83,9 +92,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--total-block-v", default=DEFAULT_TOTAL_BLOCK_V,
                    help=f"block_v values for 'total' (default {DEFAULT_TOTAL_BLOCK_V}; "
                    "also auto and baseline)")
+    g.add_argument("--numerics", default=FLASHKDA,
+                   help=f"comma-separated numerics modes of kda_prefill, of {','.join(NUMERICS)} "
+                   "(default flashkda): the jax_kda variants are timed once per mode, those of a "
+                   "mode other than flashkda named with its tag (e.g. total:fp32:bv=auto); "
+                   "decode cases time flashkda only")
     g.add_argument("--compare", action="append", default=[], choices=COMPARE_CHOICES,
-                   help="also time fla's chunk_kda or FlashKDA through torch (repeatable); on "
-                   "decode cases fla is its fused_recurrent_kda_fwd on the same pool")
+                   help="also time fla's chunk_kda or FlashKDA through torch, or jla's Mosaic GPU "
+                   "kda through JAX (repeatable); on decode cases fla is its "
+                   "fused_recurrent_kda_fwd on the same pool")
     g.add_argument("--baseline", help="variant the ratios are relative to (default total:bv=128 "
                    "when timed, else the first variant; on decode cases decode, else the first), "
                    "e.g. total:bv=baseline for the baseline kernel")
@@ -135,6 +150,26 @@ def _parse_block_v(text: str, what: str) -> list[int | str]:
     return values
 
 
+def _parse_numerics(text: str) -> list[str]:
+    values = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    bad = [v for v in values if v not in NUMERICS]
+    if bad or not values:
+        raise ValueError(f"--numerics: expected a comma-separated subset of {','.join(NUMERICS)}, "
+                         f"got {text!r}")
+    return values
+
+
+def _kind_variants(kind: str, args, numerics: str) -> list[Variant]:
+    """One kind's variants in one numerics mode: a variant per --block-v / --total-block-v value
+    for the recurrence and total kinds, one otherwise."""
+    if kind == "recurrence":
+        return [Variant(kind, bv, numerics) for bv in _parse_block_v(args.block_v, "--block-v")]
+    if kind == "total":
+        return [Variant(kind, bv, numerics)
+                for bv in _parse_block_v(args.total_block_v, "--total-block-v")]
+    return [Variant(kind, numerics=numerics)]
+
+
 def _variants(args, kernels_ok: bool, cases=()) -> list[Variant]:
     if args.variants:
         kinds = [s.strip() for s in args.variants.split(",") if s.strip()]
@@ -151,13 +186,10 @@ def _variants(args, kernels_ok: bool, cases=()) -> list[Variant]:
     if unknown:
         raise ValueError(f"--variants: unknown {unknown}; choose from {known}")
     out: list[Variant] = []
-    for kind in kinds:
-        if kind == "recurrence":
-            out += [Variant(kind, bv) for bv in _parse_block_v(args.block_v, "--block-v")]
-        elif kind == "total":
-            out += [Variant(kind, bv) for bv in _parse_block_v(args.total_block_v, "--total-block-v")]
-        else:
-            out.append(Variant(kind))
+    for numerics in _parse_numerics(args.numerics):  # each mode's variants in turn
+        # the decode kinds exist in the flashkda mode only (decode_variants)
+        out += [v for kind in kinds if kind in KINDS or numerics == FLASHKDA
+                for v in _kind_variants(kind, args, numerics)]
     out += [Variant(name) for name in dict.fromkeys(args.compare)]
     return list(dict.fromkeys(out))
 
@@ -200,8 +232,10 @@ def _slug(text: str) -> str:
 
 def _applies(variant: Variant, case) -> bool:
     """Whether a (case, variant) pair is timed: the prefill kinds on prefill cases, the decode
-    kinds on decode cases; reference and the torch peers on both (a peer without a decode path
-    records why it was skipped)."""
+    kinds on decode cases; reference and the peers on both (a peer without a decode path records
+    why it was skipped), except that decode cases time the flashkda mode only."""
+    if variant.numerics != FLASHKDA and case.kind == "decode":
+        return False
     if variant.kind in PREFILL_KINDS:
         return case.kind == "prefill"
     if variant.kind in decode_variants.KINDS:
@@ -222,9 +256,25 @@ def _baselines(args, cases, variants) -> dict[str, str | None]:
     return out
 
 
-def _run_one(variant, case, np_inputs, jax_inputs, args, timing_opts):
-    from . import jax_variants, timing, torch_compare
+def _row_numerics(variant: Variant) -> str | None:
+    """The numerics mode of a results row: a jax_kda mode, None for the peers (not jax_kda's)."""
+    return None if variant.kind in COMPARE_CHOICES else variant.numerics
 
+
+def _compare_versions(peers) -> dict:
+    from . import jla_compare, torch_compare
+
+    found = torch_compare.versions() if set(peers) & set(TORCH_PEERS) else {}
+    return found | ({"jla": jla_compare.version()} if "jla" in peers else {})
+
+
+def _run_one(variant, case, np_inputs, jax_inputs, args, timing_opts):
+    from . import jax_variants, jla_compare, timing, torch_compare
+
+    if variant.kind == "jla":  # a JAX peer: timed as the jax_kda variants are
+        fn, fn_args, feedback, info = jla_compare.build(case, jax_inputs)
+        return timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=args.warmup,
+                               **timing_opts).summary() | info
     if variant.kind in torch_compare.BUILDERS:
         fn, notes = torch_compare.BUILDERS[variant.kind](case, np_inputs)
         t = timing.time_torch(fn, repeats=args.repeats, warmup=args.warmup, inner=args.torch_inner)
@@ -244,7 +294,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    if args.compare:  # leave GPU memory for torch: JAX would otherwise preallocate 75% of it
+    # leave GPU memory for the torch peers: JAX would otherwise preallocate 75% of it
+    if set(args.compare) & set(TORCH_PEERS):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
@@ -266,7 +317,8 @@ def main(argv=None) -> int:
     pairs = [(c, v) for c in cases for v in variants if _applies(v, c)]
     if not pairs:
         raise SystemExit(f"python -m jax_kda.bench: none of the variants {names} runs on these "
-                         "cases (prefill kinds time prefill cases, decode kinds decode cases)")
+                         "cases (prefill kinds time prefill cases, decode kinds decode cases; "
+                         "decode cases time the flashkda numerics only)")
     timing_opts = {"inner": args.inner or (4 if on_gpu else 1),
                    "min_chain_ms": args.min_chain_ms if args.min_chain_ms is not None
                    else (5.0 if on_gpu else 0.0)}
@@ -300,11 +352,10 @@ def main(argv=None) -> int:
            if "decode" in baselines else {}),
         "kernels_unavailable_reason": kernels_why or None, "repeats": args.repeats,
         "warmup": args.warmup, "seed": args.seed, "variants": names,
+        "numerics": _parse_numerics(args.numerics),
     }
     if args.compare:
-        from .torch_compare import versions
-
-        meta["compare_versions"] = versions()
+        meta["compare_versions"] = _compare_versions(args.compare)
 
     out_dir = (args.out or default_out_dir()).expanduser().absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -321,7 +372,8 @@ def main(argv=None) -> int:
         for variant in (v for c, v in pairs if c is case):
             bar.set_description(f"{case.name} {variant.name}")
             row = case.as_dict() | {"case": case.name, "variant": variant.name,
-                                    "kind": variant.kind, "block_v": variant.block_v}
+                                    "kind": variant.kind, "numerics": _row_numerics(variant),
+                                    "block_v": variant.block_v}
             row.pop("name")
             try:
                 row |= {"status": "ok"} | _run_one(variant, case, np_inputs, jax_inputs, args,
@@ -335,7 +387,7 @@ def main(argv=None) -> int:
             decode_variants.add_floors([row], args.copy_tb_s)
             bar.update(1)
             if args.no_progress:  # one line per measurement instead of the bar
-                print(f"  {case.name:28s} {variant.name:22s} "
+                print(f"  {case.name:28s} {variant.name:28s} "
                       + (f"{row['median_us']:10.1f} us" if "median_us" in row else row["status"])
                       + (f" {row['achieved_tb_s']:6.2f} TB/s" if "achieved_tb_s" in row else ""),
                       flush=True)

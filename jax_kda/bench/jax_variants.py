@@ -11,6 +11,7 @@ from .cases import Case
 KINDS = ("prepare", "recurrence", "total", "reference")
 AUTO = "auto"  # Variant.block_v: the launch heuristic's column split
 BASELINE = "baseline"  # Variant.block_v: the baseline recurrence kernel (one CTA per head)
+FLASHKDA = "flashkda"  # Variant.numerics of the default mode: its names carry no mode tag
 
 
 class VariantUnavailable(RuntimeError):
@@ -19,12 +20,20 @@ class VariantUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    kind: str  # prepare | recurrence | total | reference | fla | flashkda
+    kind: str  # prepare | recurrence | total | reference | decode kinds | fla | flashkda | jla
     block_v: int | str | None = None  # value columns per CTA, AUTO or BASELINE (the baseline kernel)
+    numerics: str = FLASHKDA  # the jax_kda numerics mode (contract.NUMERICS) it runs
 
     @property
     def name(self) -> str:
-        return self.kind if self.block_v is None else f"{self.kind}:bv={self.block_v}"
+        """e.g. total:bv=auto, and total:fp32:bv=auto in another mode: the default mode's names
+        are those of results written before the modes existed."""
+        parts = [self.kind]
+        if self.numerics != FLASHKDA:
+            parts.append(self.numerics)
+        if self.block_v is not None:
+            parts.append(f"bv={self.block_v}")
+        return ":".join(parts)
 
     @property
     def uses_kernels(self) -> bool:
@@ -112,6 +121,32 @@ def compute_workspace(prepare, prepare_args):
     return jax.block_until_ready(jax.jit(prepare)(*prepare_args))
 
 
+def unavailable_reason(variant: Variant, inverse: str) -> str | None:
+    """Why kda_prefill has no such variant (None: it has), known before any input is made."""
+    if variant.numerics == FLASHKDA:
+        return None
+    if variant.block_v == BASELINE:
+        return (f"numerics={variant.numerics!r} runs the column-split recurrence only (there is "
+                "no baseline kernel in this mode)")
+    if inverse != "stable":
+        return f"numerics={variant.numerics!r} has one inverse (stable), not inverse={inverse!r}"
+    return None
+
+
+def _state_dtype(variant: Variant):
+    """The state a variant chains: bf16 in the flashkda mode, f32 in the fp32 mode, so that the
+    fp32 recurrence's f32 state path is what is timed (not a bf16 state widened on every call)."""
+    import jax.numpy as jnp
+
+    return jnp.float32 if variant.numerics == "fp32" else jnp.bfloat16
+
+
+def _initial_state(variant: Variant, x: dict):
+    """The case's initial state (bf16 in x) in the variant's state dtype; a copy only if it differs."""
+    dtype = _state_dtype(variant)
+    return x["state"] if x["state"].dtype == dtype else x["state"].astype(dtype)
+
+
 def build(variant: Variant, case: Case, x: dict, *, inverse: str):
     """(fn, args, feedback, info): fn(*args) runs the variant once on the case's (jax) inputs x;
     feedback(args, outputs) gives the next call's args (see timing.py); info holds what the
@@ -120,14 +155,20 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
 
     from .. import kda_prefill
 
+    why_not = unavailable_reason(variant, inverse)
+    if why_not:
+        raise VariantUnavailable(why_not)
     opts = _options(case, inverse)
     extra = _prefill_kwargs(case, x)
-    gate_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["state"])
+    state = _initial_state(variant, x)
+    gate_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], state)
+    numerics = variant.numerics
 
     if variant.kind == "reference":
         def reference(q, k, v, g, beta, A_log, dt_bias, state):
             return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
-                               output_final_state=True, backend="reference", **opts, **extra)
+                               output_final_state=True, backend="reference", numerics=numerics,
+                               **opts, **extra)
         return reference, gate_args, _reference_feedback, {}
 
     ok, why = kernels_status()
@@ -144,13 +185,14 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
     # The packed view as the kernel path sees it: B = 1, T = every token, N sequences.
     packed = _checks.Problem(batch=1, seqlen=case.tokens, heads=case.heads,
                              num_seqs=case.num_seqs, varlen=True,
-                             state_dtype=np.dtype(jnp.bfloat16), **_scalars(opts))
+                             state_dtype=np.dtype(_state_dtype(variant)), numerics=numerics,
+                             **_scalars(opts))
 
     if variant.kind == "total":
         def total(q, k, v, g, beta, A_log, dt_bias, state):
             return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
-                               output_final_state=True, backend="kernel", **kernel_choice,
-                               **opts, **extra)
+                               output_final_state=True, backend="kernel", numerics=numerics,
+                               **kernel_choice, **opts, **extra)
         return total, gate_args, _state_feedback, info
 
     def prepare(q, k, g, beta, A_log, dt_bias, cu):
@@ -168,6 +210,6 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
         def recurrence(v, beta, workspace, cu, state):
             return _kernel_path.plain_recurrence(_packed(v), _packed(beta), workspace, cu, state,
                                                  problem=packed, launch=launch)
-        return recurrence, (x["v"], x["beta"], workspace, cu, x["state"]), _recurrence_feedback, info
+        return recurrence, (x["v"], x["beta"], workspace, cu, state), _recurrence_feedback, info
 
     raise ValueError(f"unknown variant kind {variant.kind!r}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 SCHEMA = "jax_kda.bench/1"
 CSV_FIELDS = (
-    "case", "variant", "kind", "block_v", "block_v_used", "heads", "num_seqs", "tokens", "layout",
+    "case", "variant", "kind", "numerics", "block_v", "block_v_used", "heads", "num_seqs", "tokens", "layout",
     "seq_lens", "status", "median_us", "min_us", "p20_us", "p80_us", "mean_us", "repeats", "inner",
     "ratio_vs_baseline", "timer", "error",
     # decode cases

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from .cases import Case, DecodeCase
 from .jax_variants import VariantUnavailable
 
-COMPARE_CHOICES = ("fla", "flashkda")
+COMPARE_CHOICES = ("fla", "flashkda", "jla")  # jla: a JAX peer, jla_compare.py
 
 
 def torch_status() -> tuple[bool, str]:

@@ -973,3 +973,56 @@ def ld_global_b32_if(gmem_addr, idx, limit, *, loc=None, ip=None):
             side_effects=True,
         )
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# The fp32 numerics mode (docs/fp32_mode.md): hi/lo splits, pinned f32 subtraction, f32 state I/O
+# ----------------------------------------------------------------------------------------------
+@dsl_user_op
+def fsub(a, b, *, loc=None, ip=None) -> Float32:
+    """a - b (sub.rn.ftz.f32), never fused into an FMA."""
+    return _f32_binary("sub.rn.ftz.f32 $0, $1, $2;", a, b, loc, ip)
+
+
+@dsl_user_op
+def split_hi_lo_bf16x2(x0, x1, *, loc=None, ip=None):
+    """split() of two f32 as two packed bf16x2 words (x0 in the low halves): hi = bf16(x) RN,
+    lo = bf16(x - f32(hi)) RN, the subtraction exact (sub.rn.ftz: a subnormal difference is 0).
+    Returns (hi, lo) as Int32."""
+    res = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [_f32(x0, loc, ip), _f32(x1, loc, ip)],
+        "{\n\t.reg .b32 w0, w1;\n\t.reg .f32 h0, h1, d0, d1;\n\t"
+        "cvt.rn.bf16x2.f32 $0, $3, $2;\n\t"
+        "shl.b32 w0, $0, 16;\n\t"
+        "and.b32 w1, $0, -65536;\n\t"
+        "mov.b32 h0, w0;\n\t"
+        "mov.b32 h1, w1;\n\t"
+        "sub.rn.ftz.f32 d0, $2, h0;\n\t"
+        "sub.rn.ftz.f32 d1, $3, h1;\n\t"
+        "cvt.rn.bf16x2.f32 $1, d1, d0;\n\t}",
+        "=r,=r,f,f",
+        loc,
+        ip,
+    )
+    return _unpack(res, T.i32(), 2, Int32)
+
+
+@dsl_user_op
+def ld_global_f32(gmem_addr, *, loc=None, ip=None):
+    """*(f32*)addr, coherent path (the buffer may alias an output); the bits as loaded."""
+    return _load(
+        Float32, T.f32(), _i64(gmem_addr, loc, ip), "ld.global.b32 $0, [$1];", "=f,l", loc, ip
+    )
+
+
+@dsl_user_op
+def st_global_f32(gmem_addr, value, *, loc=None, ip=None):
+    """*(f32*)addr = value (the bits as they are)."""
+    _store(
+        [_i64(gmem_addr, loc, ip), _f32(value, loc, ip)],
+        "st.global.b32 [$1], $2;",
+        "l,f",
+        loc,
+        ip,
+    )

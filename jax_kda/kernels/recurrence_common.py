@@ -158,3 +158,37 @@ def recurrence_pool_args(state_dtype):
         Int32(0),  # checkpoint_chunks
         fake_stream(),
     )
+
+
+# ---- the fp32 numerics mode's record (docs/fp32_mode.md section 3, contract.FP32_RECORD) --------
+# kd, qd, kr tiles swizzled like the bf16 record's (ldmatrix_a_offset / ldmatrix_krt_offset apply
+# at these bases), INV and Mqk row-major 16x16 (ldmatrix_small_offset), gt f32 [128].
+FP32_RECORD_BYTES = contract.FP32_RECORD_BYTES
+OFF32_KD_HI = contract.FP32_RECORD["kd_hi"]
+OFF32_QD_HI = contract.FP32_RECORD["qd_hi"]
+OFF32_KR_HI = contract.FP32_RECORD["kr_hi"]
+OFF32_QD_LO = contract.FP32_RECORD["qd_lo"]
+OFF32_KR_LO = contract.FP32_RECORD["kr_lo"]
+OFF32_GT = contract.FP32_RECORD["gt"]
+OFF32_INV_HI = contract.FP32_RECORD["inv_hi"]
+OFF32_INV_LO = contract.FP32_RECORD["inv_lo"]
+OFF32_MQK_HI = contract.FP32_RECORD["mqk_hi"]
+OFF32_MQK_LO = contract.FP32_RECORD["mqk_lo"]
+
+
+def recurrence_fp32_args():
+    """Fake arguments of the fp32-mode recurrence's host __call__: recurrence_args() with f32
+    initial / final states and 23,040-byte records (the same dynamic dimensions, in the same
+    order)."""
+    t_total, heads = symbol("T_total"), symbol("H")
+    seqs_plus_1, seqs, slots = symbol("N_plus_1"), symbol("N"), symbol("S")
+    return (
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # v
+        fake_tensor(BFloat16, (t_total, heads), 2),  # beta
+        fake_tensor(Uint8, (heads, slots, FP32_RECORD_BYTES), 16),  # workspace
+        fake_tensor(Int32, (seqs_plus_1,), 4),  # cu_seqlens
+        fake_tensor(Float32, (seqs, heads, D, D), 16),  # initial state
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # out
+        fake_tensor(Float32, (seqs, heads, D, D), 16),  # final state
+        fake_stream(),
+    )

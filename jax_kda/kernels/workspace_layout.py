@@ -13,6 +13,11 @@ Record (13,824 bytes, one per (head, slot)):
   13312 Mqk  bf16 [16, 16] row-major
 Swizzled rows: element (r, c) at element offset r*128 + ((c//8) ^ (r%8))*8 + c%8.
 bf16 arrays are handled as their uint16 bit patterns (numpy has no bfloat16).
+
+The fp32 numerics mode's record (23,040 bytes, docs/fp32_mode.md section 3, offsets in
+contract.FP32_RECORD): kd_hi, qd_hi, kr_hi, qd_lo, kr_lo as swizzled bf16 [16, 128] tiles, gt f32
+[128], inv_hi, inv_lo, mqk_hi, mqk_lo bf16 [16, 16] row-major; `decode_fp32_records`,
+`encode_fp32_records` and `decode_fp32_workspace` read and write it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import numpy as np
 
 from ..contract import (
     CHUNK,
+    FP32_RECORD,
+    FP32_RECORD_BYTES,
     GT_OFFSET,
     INV_OFFSET,
     KD_OFFSET,
@@ -33,6 +40,8 @@ from ..contract import HEAD_DIM as D
 
 _TILES = {"kd": KD_OFFSET, "qd": QD_OFFSET, "kr": KR_OFFSET}
 _SMALL = {"inv": INV_OFFSET, "mqk": MQK_OFFSET}
+_FP32_TILES = {n: FP32_RECORD[n] for n in ("kd_hi", "qd_hi", "qd_lo", "kr_hi", "kr_lo")}
+_FP32_SMALL = {n: FP32_RECORD[n] for n in ("inv_hi", "inv_lo", "mqk_hi", "mqk_lo")}
 
 
 def swizzle_index() -> np.ndarray:
@@ -103,6 +112,63 @@ def decode_workspace(ws: np.ndarray, cu_seqlens: np.ndarray) -> dict[str, np.nda
     slots = chunk_slots(cu_seqlens)
     idx = np.array([s for _, _, s in slots], np.int64)
     out = decode_records(np.asarray(ws)[:, idx])
+    out["seq"] = np.array([n for n, _, _ in slots], np.int64)
+    out["chunk"] = np.array([j for _, j, _ in slots], np.int64)
+    return out
+
+
+# ----------------------------------------------------------------------------- fp32 mode record
+def decode_fp32_records(records: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 [..., 23040] (fp32 mode) -> dict of arrays with the leading dims kept.
+
+    kd_hi, qd_hi, qd_lo, kr_hi, kr_lo: uint16 bf16 bits [..., 16, 128] (logical order,
+    unswizzled); gt: float32 [..., 128]; inv_hi, inv_lo, mqk_hi, mqk_lo: uint16 bf16 bits
+    [..., 16, 16].
+    """
+    records = np.ascontiguousarray(records, dtype=np.uint8)
+    if records.shape[-1] != FP32_RECORD_BYTES:
+        raise ValueError(f"last dim must be {FP32_RECORD_BYTES} bytes, got {records.shape}")
+    lead = records.shape[:-1]
+    out: dict[str, np.ndarray] = {}
+    idx = swizzle_index()
+    for name, off in _FP32_TILES.items():
+        flat = records[..., off : off + CHUNK * D * 2].view(np.uint16)
+        out[name] = np.ascontiguousarray(flat[..., idx])
+    gt_off = FP32_RECORD["gt"]
+    gt = records[..., gt_off : gt_off + D * 4].view(np.float32)
+    out["gt"] = np.ascontiguousarray(gt).reshape(*lead, D)
+    for name, off in _FP32_SMALL.items():
+        blk = records[..., off : off + CHUNK * CHUNK * 2].view(np.uint16)
+        out[name] = np.ascontiguousarray(blk).reshape(*lead, CHUNK, CHUNK)
+    return out
+
+
+def encode_fp32_records(fields: dict[str, np.ndarray]) -> np.ndarray:
+    """Inverse of decode_fp32_records (the fields cover every byte of the record)."""
+    lead = np.asarray(fields["gt"]).shape[:-1]
+    rec = np.zeros((*lead, FP32_RECORD_BYTES), np.uint8)
+    idx = swizzle_index()
+    for name, off in _FP32_TILES.items():
+        tile = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK, D)
+        flat = np.zeros((*lead, CHUNK * D), np.uint16)
+        flat[..., idx] = tile
+        rec[..., off : off + CHUNK * D * 2] = flat.view(np.uint8)
+    gt_off = FP32_RECORD["gt"]
+    rec[..., gt_off : gt_off + D * 4] = (
+        np.asarray(fields["gt"], np.float32).reshape(*lead, D).view(np.uint8)
+    )
+    for name, off in _FP32_SMALL.items():
+        blk = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK * CHUNK)
+        rec[..., off : off + CHUNK * CHUNK * 2] = blk.view(np.uint8)
+    return rec
+
+
+def decode_fp32_workspace(ws: np.ndarray, cu_seqlens: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 [H, S, 23040] (fp32 mode) -> per-chunk arrays [H, num_chunks, ...] in (sequence,
+    chunk) order, plus "seq" and "chunk" (int [num_chunks]) naming each chunk."""
+    slots = chunk_slots(cu_seqlens)
+    idx = np.array([s for _, _, s in slots], np.int64)
+    out = decode_fp32_records(np.asarray(ws)[:, idx])
     out["seq"] = np.array([n for n, _, _ in slots], np.int64)
     out["chunk"] = np.array([j for _, j, _ in slots], np.int64)
     return out

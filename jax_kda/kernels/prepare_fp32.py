@@ -1,0 +1,451 @@
+"""The prepare kernel of the "fp32" numerics mode (docs/fp32_mode.md, section 1 "Prepare"), in CuTe
+DSL.
+
+Same grid, operands and chunk bookkeeping as the bf16 mode's prepare (prepare.py): one CTA of 128
+threads per (chunk slot, head); the CTA finds its sequence by a binary search over cu_seqlens,
+exits when the slot belongs to no chunk, treats rows past the sequence end as zero tokens, and
+writes one 23,040-byte record (contract.FP32_RECORD; docs/fp32_mode.md section 3). The record is
+staged byte-exact in shared memory (swizzled rows included) and copied out in 16-byte granules.
+Nothing between the bf16 inputs and the record's hi/lo pairs is rounded to bf16.
+
+Work split (step numbers are those of docs/fp32_mode.md, section 1):
+  A. Every global load is issued first: 16-byte vectors, rows past the sequence end re-read the
+     last valid row (in bounds) and are zeroed in registers. Thread t owns the 8-value group
+     t % 16 of rows t // 16 and t // 16 + 8. Step 1's sum of squares: 8 sequential FMAs from 0,
+     then shfl.bfly 8, 4, 2, 1 among the 16 lanes of a row; rsqrt(sum + 1e-6) of every q and k row
+     goes to shared memory next to the raw bf16 q, k, g rows. Threads 0-15: step 4,
+     b = sigmoid(beta) (0 on rows past the end, whose L row is zero anyway).
+  B. Thread d owns column d: step 2 (gate and its sequential f32 running sum G_r over the rows,
+     prepare.py's loop), step 1's products q * inv, k * inv (f32), step 3's decays and decayed
+     operands, each with the reference's association. Their splits go to the record (kd_hi,
+     qd hi/lo, kr hi/lo, gt) and to six operand tiles (kL, qL, kiL hi/lo) that overwrite the
+     raw rows once every thread has read its column.
+  C. Step 5: warp 0 forms L = strict(kL . kiL^T) * b_r, warp 1 Mqk = causal(qL . kiL^T); each
+     product is three chains of mma.sync m16n8k16 (hh = a_hi.b_hi, hl = a_hi.b_lo,
+     lh = a_lo.b_hi; each from zero, k-blocks ascending) summed hh + (hl + lh) in f32. Warp 0
+     then runs step 6, the forward substitution over the whole 16x16 (lane i holds row i of
+     `inv` in registers, the pivot row s arrives by shuffles from lane s), adds the unit
+     diagonal (adding 0.0 elsewhere turns the -0 entries of the substitution into +0, as the
+     reference's `inv + I` does) and splits INV; warp 1 splits Mqk. Warps 2-3 meanwhile store
+     the record up to gt.
+  D. All threads store split(INV) and split(Mqk) (128 granules).
+
+Splits (docs/fp32_mode.md, `reference_fp32.split_hi_lo`): hi = cvt.rn.bf16(x); lo =
+cvt.rn.bf16(x + (-f32(hi))) with add.rn.ftz: the difference is exact, a subnormal one becomes a
+zero of its sign (the reference's `_ftz`). All f32 arithmetic is the pinned .ftz form of ptx.py.
+
+Shared memory: the record (23,040 bytes), the six operand tiles (24,576 bytes, the first three of
+them hold the raw q, k, g rows during phases A-B), L in f32 (16 rows of 17 floats) and 48 floats:
+48,896 bytes per CTA, so four CTAs per SM on sm_90a and sm_100a; 72 registers or fewer per thread.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float32, Int32, Uint8, Uint32, cute
+from cutlass.memory import SmemAllocator
+
+from .. import contract
+from . import workspace_layout as wl
+from .compile_utils import compile_for_arch, fake_stream, fake_tensor, symbol
+from .prepare import (
+    _carve,
+    _copy_granules,
+    _PackedRows,
+    _row_major,
+    _swizzled_tile_layout,
+    _tiled_mma_bf16,
+    _WarpMma,
+)
+from .ptx import (
+    LOG2E,
+    bf16_to_f32,
+    bf16x2_hi_to_f32,
+    bf16x2_lo_to_f32,
+    ex2_approx,
+    f32_to_bf16,
+    fadd,
+    ffma,
+    fmul,
+    fneg,
+    gate_scale_from_lower_bound,
+    rsqrt_approx,
+    sigmoid,
+)
+from .recurrence_common import sequence_start
+
+D = wl.D
+CHUNK = wl.CHUNK
+NUM_THREADS = 128
+RECORD = contract.FP32_RECORD
+RECORD_BYTES = contract.FP32_RECORD_BYTES
+REF_ROW = 7  # L and Mqk's operands are decayed relative to this row's cumulative gate
+TILE_BYTES = CHUNK * D * 2
+L_ROW_STRIDE = CHUNK + 1  # floats per row of L in shared memory
+# The operand tiles of step 5, in shared memory after the record. The raw q, k, g rows of phases
+# A-B occupy the bytes of the first three (RAW_ROWS) until phase B has read them.
+OPERANDS = ("kl_hi", "kl_lo", "ql_hi", "ql_lo", "kil_hi", "kil_lo")
+RAW_ROWS = ("q", "k", "g")
+# Dynamic shared memory per CTA (the allocations of KdaPrepareFp32._shared_memory, in order; each
+# starts aligned): record, operand tiles, L, the row norms of q and k, b.
+SMEM_BYTES = (
+    RECORD_BYTES + len(OPERANDS) * TILE_BYTES + CHUNK * L_ROW_STRIDE * 4 + 2 * CHUNK * 4 + CHUNK * 4
+)
+# Record granules stored during phase C (kd_hi .. gt) and the ones stored after it (INV, Mqk).
+EARLY_GRANULES = RECORD["inv_hi"] // 16
+RECORD_GRANULES = RECORD_BYTES // 16
+
+
+class KdaPrepareFp32:
+    """Host entry + device kernel of docs/fp32_mode.md, section 1 "Prepare"."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        num_slots = mWorkspace.shape[1]
+        num_heads = mWorkspace.shape[0]
+        self.kernel(
+            mQ,
+            mK,
+            mG,
+            mBeta,
+            mALog,
+            mDtBias,
+            mCuSeqlens,
+            mWorkspace,
+            scale,
+            lower_bound,
+        ).launch(
+            grid=(num_slots, num_heads, 1),
+            block=(NUM_THREADS, 1, 1),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        slot, head, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tid % 32
+        active, row0, n_valid = _locate_chunk(mCuSeqlens, Int32(slot), mQ.shape[0])
+        if active:
+            rows = _PackedRows(row0, head, mBeta)
+
+            # ---- A0. every global load first
+            raw = self._load_rows(rows, mQ, mK, mG, n_valid, tid)
+            beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
+            dt = mDtBias[head, tid]
+            a_log = mALog[head]
+            sm = self._shared_memory()
+
+            # ---- A. row norms, raw rows and b to shared memory
+            self._stage_rows(raw, sm, n_valid, tid)
+            s_b = sm.b
+            if tid < CHUNK:
+                b = sigmoid(bf16_to_f32(beta_raw))
+                if tid >= n_valid:
+                    b = Float32(0.0)
+                s_b[tid] = b
+            cute.arch.sync_threads()
+
+            # ---- B. thread = column: gates, decays, splits
+            self._column(sm, tid, a_log, dt, n_valid, scale, lower_bound)
+            cute.arch.sync_threads()
+
+            # ---- C. warp 0: L and INV, warp 1: Mqk, warps 2-3: store kd_hi .. gt
+            g_rec = mWorkspace[head, slot, None]
+            s_rec_t = cute.make_tensor(sm.rec, cute.make_layout(RECORD_BYTES))
+            if warp_idx == 0:
+                self._inverse(sm, lane)
+            if warp_idx == 1:
+                self._mqk(sm, lane)
+            if warp_idx >= 2:
+                _copy_granules(s_rec_t, g_rec, tid - 64, 64, 0, EARLY_GRANULES)
+            cute.arch.sync_threads()
+
+            # ---- D. INV and Mqk hi/lo (128 granules) -> global
+            _copy_granules(s_rec_t, g_rec, tid, NUM_THREADS, EARLY_GRANULES, RECORD_GRANULES)
+
+    # ------------------------------------------------------------ phases
+    @cute.jit
+    def _load_rows(self, rows, mQ, mK, mG, n_valid: Int32, tid: Int32):
+        """bf16 registers (half, q/k/g, 8 values) of rows tid // 16 + 8 * half, values
+        8 * (tid % 16)..+7: one 16-byte load each. Rows past the end re-read the last valid row
+        (no branch around the loads); _stage_rows zeroes them."""
+        group = tid % 16
+        raw = cute.make_rmem_tensor(
+            cute.make_layout((2, 3, 8), stride=(24, 8, 1)), BFloat16
+        )
+        for half in cutlass.range_constexpr(2):
+            r = tid // 16 + 8 * half
+            tok = rows.token(cutlass.min(r, n_valid - 1))
+            for which, m_x in enumerate((mQ, mK, mG)):
+                cute.autovec_copy(
+                    cute.local_tile(rows.row(m_x, tok), (8,), (group,)),
+                    raw[half, which, None],
+                )
+        return raw
+
+    def _shared_memory(self):
+        """The CTA's shared memory (trace time): the staged record with its fields, the operand
+        tiles (raw rows aliased on the first three), L, the row norms and b."""
+        smem = SmemAllocator()
+        s_rec = smem.allocate_array(Uint8, RECORD_BYTES, byte_alignment=128)
+        s_ops = smem.allocate_array(Uint8, len(OPERANDS) * TILE_BYTES, byte_alignment=128)
+        sm = _Smem(rec=s_rec)
+        for name in ("kd_hi", "qd_hi", "qd_lo", "kr_hi", "kr_lo"):
+            setattr(sm, name, _carve(s_rec, RECORD[name], BFloat16, _swizzled_tile_layout()))
+        sm.gt = _carve(s_rec, RECORD["gt"], Float32, cute.make_layout(D))
+        for name in ("inv_hi", "inv_lo", "mqk_hi", "mqk_lo"):
+            setattr(sm, name, _carve(s_rec, RECORD[name], BFloat16, _row_major(CHUNK, CHUNK)))
+        for i, name in enumerate(OPERANDS):
+            setattr(sm, name, _carve(s_ops, i * TILE_BYTES, BFloat16, _swizzled_tile_layout()))
+        sm.raw = [
+            _carve(s_ops, i * TILE_BYTES, BFloat16, _row_major(CHUNK, D))
+            for i in range(len(RAW_ROWS))
+        ]
+        # rows padded to 17 floats: lane i reading row i hits bank (17 i + p) % 32, no conflict
+        sm.l = smem.allocate_tensor(
+            Float32, cute.make_layout((CHUNK, CHUNK), stride=(L_ROW_STRIDE, 1)), byte_alignment=16
+        )
+        # 1 / |x| of each row: [0, r] for q, [1, r] for k
+        sm.rnorm = smem.allocate_tensor(
+            Float32, cute.make_layout((2, CHUNK), stride=(CHUNK, 1)), byte_alignment=16
+        )
+        sm.b = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), byte_alignment=16)
+        return sm
+
+    @cute.jit
+    def _stage_rows(self, raw: cute.Tensor, sm, n_valid: Int32, tid: Int32):
+        """A: zero the rows past the end, store the raw q, k, g rows (16-byte vectors) and the
+        inverse L2 norm of every q and k row (step 1)."""
+        group = tid % 16
+        s_rnorm = sm.rnorm
+        for half in cutlass.range_constexpr(2):
+            r = tid // 16 + 8 * half
+            for which in cutlass.range_constexpr(len(RAW_ROWS)):
+                frag = raw[half, which, None]
+                if r >= n_valid:
+                    cute.recast_tensor(frag, Uint32).fill(0)
+                cute.autovec_copy(frag, cute.local_tile(sm.raw[which][r, None], (8,), (group,)))
+            for which in cutlass.range_constexpr(2):
+                inv_norm = _inverse_norm(raw[half, which, None])
+                if group == 0:
+                    s_rnorm[which, r] = inv_norm
+
+    @cute.jit
+    def _column(
+        self, sm, col: Int32, a_log: Float32, dt: Float32, n_valid: Int32, scale: Float32,
+        lower_bound: Float32,
+    ):
+        """B: column `col` of every row: G_r (step 2), q and k normalised in f32 (step 1), the
+        decays and decayed operands (step 3), split into the record and the operand tiles."""
+        s_q, s_k, s_g = sm.raw
+        # step 2, prepare.py's loop: gate in f32, running sum over the rows, 0 past the end
+        a_exp = ex2_approx(fmul(a_log, Float32(LOG2E)))
+        gate_scale = gate_scale_from_lower_bound(lower_bound)
+        cum = cute.make_rmem_tensor((CHUNK,), Float32)
+        total = Float32(0.0)
+        for r in cutlass.range_constexpr(CHUNK):
+            x = fmul(a_exp, fadd(bf16_to_f32(s_g[r, col]), dt))
+            gate = fmul(gate_scale, sigmoid(x))
+            if r >= n_valid:
+                gate = Float32(0.0)
+            total = fadd(total, gate)
+            cum[r] = total
+        qn = cute.make_rmem_tensor((CHUNK,), Float32)
+        kn = cute.make_rmem_tensor((CHUNK,), Float32)
+        for r in cutlass.range_constexpr(CHUNK):
+            qn[r] = fmul(bf16_to_f32(s_q[r, col]), sm.rnorm[0, r])
+            kn[r] = fmul(bf16_to_f32(s_k[r, col]), sm.rnorm[1, r])
+        # every column is in registers: the operand tiles may now overwrite the raw rows
+        cute.arch.sync_threads()
+
+        gt = ex2_approx(cum[CHUNK - 1])
+        sm.gt[col] = gt
+        up = ex2_approx(fneg(cum[REF_ROW]))  # 2^-G_7
+        down = ex2_approx(cum[REF_ROW])  # 2^G_7
+        for r in cutlass.range_constexpr(CHUNK):
+            e = ex2_approx(cum[r])
+            ei = ex2_approx(fneg(cum[r]))
+            # the recurrence's operands
+            sm.kd_hi[r, col] = f32_to_bf16(fmul(kn[r], e))
+            _store_split(sm.qd_hi, sm.qd_lo, r, col, fmul(fmul(qn[r], e), scale))
+            _store_split(sm.kr_hi, sm.kr_lo, r, col, fmul(kn[r], fmul(ei, gt)))
+            # step 5's operands, decayed relative to row 7
+            rel = fmul(e, up)
+            _store_split(sm.kl_hi, sm.kl_lo, r, col, fmul(kn[r], rel))
+            _store_split(sm.ql_hi, sm.ql_lo, r, col, fmul(fmul(qn[r], rel), scale))
+            _store_split(sm.kil_hi, sm.kil_lo, r, col, fmul(kn[r], fmul(ei, down)))
+
+    @cute.jit
+    def _mqk(self, sm, lane: Int32):
+        """C, warp 1: Mqk = causal(qL . kiL^T) (diagonal kept), split into the record."""
+        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        coords = mma.coords
+        acc = _three_term_product(mma, sm.ql_hi, sm.ql_lo, sm.kil_hi, sm.kil_lo)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coords[i]
+            v = acc[i]
+            if r < c:
+                v = Float32(0.0)
+            _store_split(sm.mqk_hi, sm.mqk_lo, r, c, v)
+
+    @cute.jit
+    def _inverse(self, sm, lane: Int32):
+        """C, warp 0: L = strict(kL . kiL^T) * b_r (step 5), INV = (I + L)^-1 (step 6), split
+        into the record."""
+        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        coords = mma.coords
+        acc = _three_term_product(mma, sm.kl_hi, sm.kl_lo, sm.kil_hi, sm.kil_lo)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coords[i]
+            v = fmul(acc[i], sm.b[r])
+            if r <= c:
+                v = Float32(0.0)
+            sm.l[r, c] = v
+        cute.arch.sync_warp()
+
+        # reference.forward_substitution_inverse on n = 16: lane i (and i + 16) holds row i
+        row = lane % CHUNK
+        inv = cute.make_rmem_tensor((CHUNK,), Float32)
+        for p in cutlass.range_constexpr(CHUNK):
+            inv[p] = sm.l[row, p]
+        for s in cutlass.range_constexpr(CHUNK - 1):
+            neg = fneg(inv[s])
+            for p in cutlass.range_constexpr(s):
+                # row s is final since step s - 1 (only rows below s change at step s)
+                pivot = cute.arch.shuffle_sync(inv[p], s)
+                updated = ffma(neg, pivot, inv[p])
+                if row > s:
+                    inv[p] = updated
+            if row > s:
+                inv[s] = neg
+        if lane < CHUNK:
+            for c in cutlass.range_constexpr(CHUNK):
+                unit = Float32(0.0)
+                if row == c:
+                    unit = Float32(1.0)
+                _store_split(sm.inv_hi, sm.inv_lo, row, c, fadd(inv[c], unit))
+
+
+# ------------------------------------------------------------------ helpers
+@cute.jit
+def _locate_chunk(mCuSeqlens: cute.Tensor, slot: Int32, t_total: Int32):
+    """(active, row0, n_valid) of a workspace slot, as prepare.py finds them: the sequence by a
+    binary search on the slot starts cu[n] // 16 + n, then the chunk within it; `active` is False
+    for a slot that holds no chunk; row0 is the chunk's first token, n_valid (1..16 when active)
+    its rows inside the sequence."""
+    num_seqs = mCuSeqlens.shape[0] - 1
+    lo = Int32(0)
+    hi = Int32(num_seqs)
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if sequence_start(mCuSeqlens, mid, t_total) // CHUNK + mid <= slot:
+            lo = mid
+        else:
+            hi = mid
+    seq = lo
+    bos = sequence_start(mCuSeqlens, seq, t_total)
+    # min(): with N = 0 (cu_seqlens of length 1) never read past the array
+    eos = cutlass.max(sequence_start(mCuSeqlens, cutlass.min(seq + 1, num_seqs), t_total), bos)
+    chunk = slot - (bos // CHUNK + seq)
+    num_chunks = (eos - bos + CHUNK - 1) // CHUNK
+    active = (num_seqs > 0) & (chunk >= 0) & (chunk < num_chunks)
+    row0 = bos + chunk * CHUNK
+    return active, row0, cutlass.min(eos - row0, CHUNK)
+
+
+class _Smem:
+    """The CTA's shared-memory tensors (a trace-time bag)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+@cute.jit
+def _inverse_norm(frag: cute.Tensor) -> Float32:
+    """Step 1 on 8 bf16 values of a row: sequential FMAs from 0, xor butterfly 8, 4, 2, 1 over
+    the row's 16 lanes, rsqrt.approx(sum + 1e-6). Every lane of the row gets the same value."""
+    words = cute.recast_tensor(frag, Uint32)
+    sq = Float32(0.0)
+    for i in cutlass.range_constexpr(4):
+        lo = bf16x2_lo_to_f32(words[i])
+        hi = bf16x2_hi_to_f32(words[i])
+        sq = ffma(lo, lo, sq)
+        sq = ffma(hi, hi, sq)
+    for off in cutlass.range_constexpr(4):
+        sq = fadd(sq, cute.arch.shuffle_sync_bfly(sq, offset=8 >> off))
+    return rsqrt_approx(fadd(sq, Float32(1e-6)))
+
+
+@cute.jit
+def _store_split(s_hi: cute.Tensor, s_lo: cute.Tensor, r, c, x: Float32):
+    """split(x): hi = bf16(x), lo = bf16(x - f32(hi)) (exact difference, .ftz: a subnormal
+    difference is a zero of its sign), stored at (r, c) of two bf16 tiles."""
+    hi = f32_to_bf16(x)
+    s_hi[r, c] = hi
+    s_lo[r, c] = f32_to_bf16(fadd(x, fneg(bf16_to_f32(hi))))
+
+
+@cute.jit
+def _three_term_product(mma, s_a_hi, s_a_lo, s_b_hi, s_b_lo):
+    """A.B^T with terms hh, hl, lh (docs/fp32_mode.md): three independent f32 MMA chains, each
+    from zero with k-blocks ascending, summed hh + (hl + lh); A, B (16, 128) hi/lo tiles."""
+    hh = mma.product(s_a_hi, s_b_hi)
+    hl = mma.product(s_a_hi, s_b_lo)
+    lh = mma.product(s_a_lo, s_b_hi)
+    for i in cutlass.range_constexpr(cute.size(hh)):
+        hh[i] = fadd(hh[i], fadd(hl[i], lh[i]))
+    return hh
+
+
+# ------------------------------------------------------------------ build side
+def prepare_fp32_args():
+    """Fake arguments of KdaPrepareFp32.__call__: those of prepare.prepare_args (T_total, H, N,
+    S dynamic, in the same order) with 23,040-byte records."""
+    t_total, heads, n_plus_1, slots = (symbol(s) for s in ("T_total", "H", "N_plus_1", "S"))
+    return (
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # q
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # k
+        fake_tensor(BFloat16, (t_total, heads, D), 16),  # g
+        fake_tensor(BFloat16, (t_total, heads), 2),  # beta
+        fake_tensor(Float32, (heads,), 4),  # A_log
+        fake_tensor(Float32, (heads, D), 16),  # dt_bias
+        fake_tensor(Int32, (n_plus_1,), 4),  # cu_seqlens
+        fake_tensor(Uint8, (heads, slots, RECORD_BYTES), 16),  # workspace
+        Float32(1.0),  # scale
+        Float32(-5.0),  # lower_bound
+        fake_stream(),
+    )
+
+
+def compile_kernel(arch: str = "sm_90a", *, dump_dir: str | None = None):
+    """The fp32-mode prepare kernel compiled for `arch` (compile_utils.compile_for_arch)."""
+    return compile_for_arch(KdaPrepareFp32(), prepare_fp32_args(), arch, dump_dir=dump_dir)

@@ -1,0 +1,665 @@
+"""KDA recurrence in the fp32 numerics mode (docs/fp32_mode.md, section 1 "Recurrence"): column
+split, f32 state resident in registers, every product of f32 matrices as bf16 MMAs on hi + lo
+pairs.
+
+Task = (value-column slice, head, sequence), grid (128 / block_v, H, N), no communication between
+CTAs: the structure of the bf16 mode's column-split kernel (recurrence.py), with an f32 state and
+the workspace record of docs/fp32_mode.md section 3 (23,040 bytes: kd_hi; qd, kr, INV, Mqk as
+hi/lo bf16 pairs; gt f32).
+
+State. Every warp owns 8 * NT consecutive value columns (NT n-tiles of 8) and keeps S^T[128 (k),
+8 NT (v)] in registers, f32, in the m16n8k16 accumulator layout: for k-tile mt and n-tile nt,
+state[state_index(mt, nt, i)] holds S^T[16 mt + acc_row(lane, i // 2)][8 nt + acc_col(lane) +
+i % 2] (32 registers per n-tile). split() of a tile's two row pairs gives packed bf16x2 hi and lo
+words in the same layout; movmatrix.trans of them is the B operand (S_hi / S_lo) of k-block mt of
+kd . S^T and qd . S^T, so the state never goes through shared memory (as in recurrence.py).
+
+Per chunk and n-tile (docs/fp32_mode.md section 1, recurrence steps 1-6; mma_product's term
+order: hh + hl, or hh + (hl + lh), each term its own MMA chain started from zero, k-blocks
+ascending):
+  1. (S_hi, S_lo) = split(S), k-tile by k-tile, as the tile is updated (step 6 of the previous
+     chunk) or loaded (prologue).
+  2. P = kd_hi.S_hi^T + kd_hi.S_lo^T (two chains of 8 MMAs);
+     Oq = qd_hi.S_hi^T + (qd_hi.S_lo^T + qd_lo.S_hi^T) (three chains of 8).
+  3. u = (f32(v) - P) * b, b = sigmoid(f32(beta logit)) in f32; split(u); the packed words of
+     rows past the sequence end are masked to 0, so u = 0 exactly there.
+  4. U = INV_hi.u_hi + (INV_hi.u_lo + INV_lo.u_hi); split(U).
+  5. out = bf16(Oq + (Mqk_hi.U_hi + (Mqk_hi.U_lo + Mqk_lo.U_hi))): one f32 add, one rounding;
+     rows past the end not written (registers -> global, 4-byte stores).
+  6. per k-tile mt: W = kr_hi^T.U_hi + (kr_hi^T.U_lo + kr_lo^T.U_hi);
+     S = fmaf(S, gt[k], W) (f32 .ftz), then step 1 of the next chunk for that tile.
+Every n-tile runs exactly this sequence whatever the warp split, so out and the final state are
+bitwise independent of block_v.
+
+Warps per CTA x n-tiles per warp (warp_split): 16 -> 2 x 1, 32 -> 4 x 1, 64 -> 8 x 1,
+128 -> 8 x 2 (eight warps of 255 registers fill the register file; 16 warps of one n-tile would
+need twice that). KdaRecurrenceFp32(block_v, n_tiles=2) gives 16 / 32 / 64 columns with two
+n-tiles per warp (1 / 2 / 4 warps: fewer warps loading the same A fragments), a benchmark knob
+with the same bits.
+
+Software pipeline (iteration c of the chunk loop; P(c) and Oq(c), i.e. their five MMA chains,
+were computed by iteration c - 1, which also read chunk c's serial-chain operands v, b, the row
+masks, INV hi/lo, kr^T tile 0 hi/lo and gt of tile 0 into registers, before this iteration's
+barrier):
+  P(c) -> u -> INV.u -> U -> W tile 0 -> S tile 0 -> split -> k-block 0 of P(c+1), Oq(c+1);
+  W tile mt + 1 is issued while tile mt is folded into the state, so each W tile's terms are
+  summed and folded as soon as they complete (never all eight tiles' 96 accumulators at once);
+  state tile mt then feeds k-block mt of the next chunk's five chains. The loop-carried serial
+  chain is P(c) -> u -> U -> W tile 0 -> S tile 0 -> 8 dependent P MMAs; nothing on it waits for
+  shared memory. Off the chain, in its shadow: Mqk.U and the out stores (k-tile 0), the stage
+  refill (k-tile 1), the reads of chunk c+1's chain operands (k-tile 2), kr^T / gt of tiles
+  1..7 (two tiles ahead of their W MMAs, from chunk c's stage) and kd / qd of chunk c+1
+  (AHEAD: KD_AHEAD k-blocks ahead).
+
+Shared memory: a ring of STAGES stages, each the chunk's 23,040-byte record (byte-exact copy),
+its v rows of this CTA's columns (bf16 [16, block_v]) and its 16 beta logits (one 4-byte slot
+each), 128-byte rounded (stage_layout: 23,680 bytes at block_v 16, 27,264 at 128). All threads
+fill it with cp.async, LOOKAHEAD chunks ahead; one CTA barrier per chunk makes the next stage
+visible and frees the one being refilled. Iteration c reads stages c (Mqk, kr^T, gt of tiles
+1..7) and c + 1 (chunk c+1's operands); it refills stage c - 1 (STAGES = LOOKAHEAD + 1), whose
+last reader was iteration c - 1, which every warp has left at iteration c's barrier.
+
+Registers (per thread, NT n-tiles): the state 32 NT; the carried P(c)/Oq(c) chains 20 NT; the
+carried chain operands 2 NT + 22; the next chunk's chains 20 NT while the current Oq lives;
+A fragments in flight (kd_hi, qd_hi, qd_lo: 12 per k-block; kr^T hi/lo: 8 per tile); W
+accumulators (12 NT per tile). The initial state is read and the final state written as f32
+bits with 4-byte accesses (every 32-byte sector fully used), once per CTA: a zero-length
+sequence writes its initial state back unchanged.
+
+Compiled (ptxas of nvidia-cutlass-dsl 4.8.1, no GPU run yet): registers 168 / 168 / 190 / 252
+at block_v 16 / 32 / 64 / 128 on sm_90a (sm_100a: 168 / 168 / 190 / 255), no local memory;
+shared memory (the ring) 94,720 / 96,768 / 100,864 / 109,056 bytes. SASS (sm_90a) of the chunk
+loop: 577 / 567 / 557 / 946 instructions; per n-tile 70 HMMA, 40 MOVM, 140 FADD (the splits' 40
+subtractions, the term sums, v - P), 34 FFMA, 42 F2FP; per warp 44 LDSM and ~23 LDS; LDGSTS
+25 / 14 / 8 / 8 per thread (the record's 1,440 granules spread over the CTA's threads).
+
+The kernel body is assembled from plain trace-time pieces (_prologue, _chunk_step,
+u_to_b_operands, three_term_product, state_tile_update, ...), like recurrence.py's.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.memory import SmemAllocator
+
+from .. import contract
+from . import ptx
+from .compile_utils import compile_for_arch
+from .recurrence import _beta_bits, _cta_setup
+from .recurrence_common import (
+    CHUNK,
+    FP32_RECORD_BYTES,
+    OFF32_GT,
+    OFF32_INV_HI,
+    OFF32_INV_LO,
+    OFF32_KD_HI,
+    OFF32_KR_HI,
+    OFF32_KR_LO,
+    OFF32_MQK_HI,
+    OFF32_MQK_LO,
+    OFF32_QD_HI,
+    OFF32_QD_LO,
+    D,
+    acc_col,
+    acc_row,
+    ldmatrix_a_offset,
+    ldmatrix_krt_offset,
+    ldmatrix_small_offset,
+    recurrence_fp32_args,
+)
+
+GRANULES = FP32_RECORD_BYTES // 16  # 16-byte cp.async copies per record
+STAGES = 4  # smem ring depth (4 x 23.7 KB at block_v 16: two CTAs per SM)
+LOOKAHEAD = STAGES - 1  # iteration c refills the stage of chunk c - 1 with chunk c + LOOKAHEAD
+# n-tiles per warp -> (KD_AHEAD, KR_AHEAD): the next chunk's kd / qd A fragments are read KD_AHEAD
+# k-blocks ahead of their MMAs, kr^T / gt of k-tile mt KR_AHEAD tiles ahead of W tile mt's. Two
+# n-tiles issue twice the MMAs per fragment, so one k-block ahead covers the load there (and
+# keeps ptxas below 255 registers at every two-n-tile split: two ahead spills at 32 columns).
+AHEAD = {1: (2, 2), 2: (1, 2)}
+
+
+def stage_layout(block_v):
+    """(v offset, beta offset, stage bytes) of one ring stage: record | v [16, block_v] bf16 |
+    beta: 16 four-byte slots."""
+    v_off = FP32_RECORD_BYTES
+    beta_off = v_off + CHUNK * block_v * 2
+    stage_bytes = (beta_off + CHUNK * 4 + 127) // 128 * 128
+    return v_off, beta_off, stage_bytes
+
+
+def smem_bytes(block_v):
+    """Shared memory of one CTA: the ring."""
+    return STAGES * stage_layout(block_v)[2]
+
+
+def v_smem_offset(row, col, block_v):
+    """Byte offset of v[row, col] (col relative to the CTA's slice) in a stage's v tile."""
+    return (row * block_v + col) * 2
+
+
+DEFAULT_N_TILES = {16: 1, 32: 1, 64: 1, 128: 2}
+N_TILE_CHOICES = (1, 2)  # 4 n-tiles per warp (128 state registers) do not fit in 255
+
+
+def warp_split(block_v, n_tiles=None):
+    """(warps per CTA, 8-column n-tiles per warp) for a slice width: by default one n-tile per
+    warp up to eight warps; 128 columns need two n-tiles per warp (16 warps would need 2x the
+    register file at ~255 registers per thread). `n_tiles` overrides the default (a benchmark
+    knob: every split gives the same bits); at most eight warps."""
+    if block_v not in contract.COLUMN_SPLITS:
+        raise ValueError(f"block_v must be one of {contract.COLUMN_SPLITS}, got {block_v}")
+    n_tiles = DEFAULT_N_TILES[block_v] if n_tiles is None else n_tiles
+    warps = block_v // (8 * n_tiles) if n_tiles in N_TILE_CHOICES else 0
+    if not 1 <= warps <= 8 or warps * 8 * n_tiles != block_v:
+        raise ValueError(f"no warp split of {block_v} columns with {n_tiles} n-tiles per warp")
+    return warps, n_tiles
+
+
+def state_index(mt, nt, i, n_tiles):
+    """Index of the f32 register holding S^T[16 mt + acc_row(lane, i // 2)][8 nt + acc_col(lane)
+    + i % 2] (accumulator register i of tile (mt, nt))."""
+    return (mt * n_tiles + nt) * 4 + i
+
+
+class KdaRecurrenceFp32:
+    """Host entry + device kernel of the fp32-mode column-split chunk recurrence.
+
+    Algorithm: the module docstring. Layouts: v, out bf16 [T_total, H, 128]; beta bf16
+    [T_total, H] (logits); workspace uint8 [H, S, 23040] (chunk j of sequence n in slot
+    cu[n] // 16 + n + j); cu_seqlens int32 [N + 1]; states f32 [N, H, 128, 128] (state[n, h, v,
+    k]). Constraints: block_v in contract.COLUMN_SPLITS (warp_split); head dim 128; T_total, H,
+    N, S dynamic, int32-sized; 16-byte aligned buffers; cu_seqlens values clamped
+    (recurrence_common.sequence_bounds)."""
+
+    def __init__(self, block_v: int = 32, n_tiles: int | None = None):
+        self.block_v = block_v
+        self.num_warps, self.n_tiles = warp_split(block_v, n_tiles)
+        self.num_threads = 32 * self.num_warps
+        self.v_off, self.beta_off, self.stage_bytes = stage_layout(block_v)
+
+    @cute.jit
+    def __call__(
+        self,
+        mV: cute.Tensor,  # bf16 [T_total, H, 128]
+        mBeta: cute.Tensor,  # bf16 [T_total, H]
+        mWorkspace: cute.Tensor,  # uint8 [H, S, 23040]
+        mCuSeqlens: cute.Tensor,  # int32 [N + 1]
+        mState0: cute.Tensor,  # f32 [N, H, 128, 128] (n, h, v, k)
+        mOut: cute.Tensor,  # bf16 [T_total, H, 128]
+        mStateT: cute.Tensor,  # f32 [N, H, 128, 128]
+        stream: cuda.CUstream,
+    ):
+        num_heads = mV.shape[1]
+        num_seqs = mCuSeqlens.shape[0] - 1
+        self.kernel(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT).launch(
+            grid=[D // self.block_v, num_heads, num_seqs],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mState0: cute.Tensor,
+        mOut: cute.Tensor,
+        mStateT: cute.Tensor,
+    ):
+        cta = _cta_setup_fp32(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
+        state_off = (Int64(cta.seq) * Int64(cta.num_heads) + Int64(cta.head)) * (D * D)
+        s0_base = mState0.iterator.toint() + state_off * 4
+        sT_base = mStateT.iterator.toint() + state_off * 4
+        ring = (
+            SmemAllocator()
+            .allocate(STAGES * self.stage_bytes, byte_alignment=128)
+            .toint()
+        )
+        state = _state_registers(self)
+        _load_state_f32(cta, state, s0_base)
+        regs = _loop_registers(self)
+        if cta.num_chunks > 0:
+            _prologue_loads(cta, ring)
+            _prologue(cta, ring, state, regs)
+        for c in range(cta.num_chunks):
+            _chunk_step(cta, ring, state, regs, c)
+        ptx.cp_async_wait(0)  # no copy may still target this CTA's shared memory at exit
+        # final state (also for zero-length sequences: the initial state, bit for bit)
+        _store_state_f32(cta, state, sT_base)
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup, state I/O, the stage loader
+# ----------------------------------------------------------------------------------------------
+def _cta_setup_fp32(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut):
+    """recurrence._cta_setup (indices, sequence bounds, out addresses, the loader's sources) with
+    the workspace base of this head for 23,040-byte records."""
+    cta = _cta_setup(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
+    cta.src.ws_head = (
+        mWorkspace.iterator.toint()
+        + Int64(cta.head) * Int64(mWorkspace.shape[1]) * FP32_RECORD_BYTES
+    )
+    return cta
+
+
+def _state_registers(rec):
+    """This warp's state slice S^T[128, 8 NT], f32 in the accumulator layout (state_index)."""
+    return cute.make_rmem_tensor(cute.make_layout(32 * rec.n_tiles), Float32)
+
+
+def _state_address(cta, base, mt, nt, i):
+    """Global address of the state element register (mt, nt, i) of this lane holds:
+    state[n, h, j, k] with j its value column, k its key row."""
+    k = mt * 16 + acc_row(cta.lane, i // 2)
+    j = cta.col_cta + cta.col_w + nt * 8 + cta.t2 + i % 2
+    return base + (Int64(j) * D + Int64(k)) * 4
+
+
+def _load_state_f32(cta, state, s0_base):
+    """Initial state -> registers, f32 bits as they are (4-byte loads: the eight lanes of one t
+    read 32 contiguous bytes of a state row)."""
+    NT = cta.n_tiles
+    for mt in range(8):
+        for nt in range(NT):
+            for i in range(4):
+                state[state_index(mt, nt, i, NT)] = ptx.ld_global_f32(
+                    _state_address(cta, s0_base, mt, nt, i)
+                )
+
+
+def _store_state_f32(cta, state, sT_base):
+    """Final state registers -> global, f32 as computed."""
+    NT = cta.n_tiles
+    for mt in range(8):
+        for nt in range(NT):
+            for i in range(4):
+                ptx.st_global_f32(
+                    _state_address(cta, sT_base, mt, nt, i), state[state_index(mt, nt, i, NT)]
+                )
+
+
+def _load_stage(src, chunk, stage):
+    """All threads: cp.async of one chunk's 23,040-byte record, its v rows (this CTA's columns)
+    and beta logits into the ring stage at shared address `stage`. Nothing past the sequence end
+    is read (recurrence._load_stage's v / beta copy, for this record size)."""
+    rec = src.ws_head + Int64(src.slot0 + chunk) * FP32_RECORD_BYTES
+    n = src.nthreads
+    for i in range((GRANULES + n - 1) // n):
+        gi = src.tid + i * n
+        ptx.cp_async_16_if(stage + gi * 16, rec + Int64(gi) * 16, gi, Int32(GRANULES))
+    row_tok0 = src.bos + chunk * CHUNK
+    limit = cutlass.min(src.eos, row_tok0 + CHUNK)
+    per_row = src.block_v // 8  # 16-byte granules per v row of the slice
+    for i in range((CHUNK * per_row + n - 1) // n):
+        gi = src.tid + i * n
+        row = gi // per_row
+        tok = row_tok0 + row
+        gaddr = (
+            src.v_col0
+            + (
+                (Int64(tok) * Int64(src.num_heads) + Int64(src.head)) * D
+                + Int64(gi % per_row) * 8
+            )
+            * 2
+        )
+        # rows past the sequence end, and threads past the last granule (row >= 16), copy nothing
+        ptx.cp_async_16_if(stage + src.v_off + gi * 16, gaddr, tok, limit)
+    tok = row_tok0 + src.tid  # nthreads >= 64 > CHUNK: threads tid >= 16 copy nothing
+    elem = tok * src.num_heads + src.head
+    elem_addr = src.beta_base + Int64(elem) * 2
+    # the aligned word holding the element stays inside the array unless the element is the
+    # array's last one and starts a word
+    async_ok = ptx.select_lt(elem + 1, src.beta_elems, Int32(1), Int32(elem_addr) & 2)
+    ptx.beta_to_shared_if(stage + src.beta_off + src.tid * 4, elem_addr, async_ok, tok, limit)
+
+
+def _prologue_loads(cta, ring):
+    """The ring's first LOOKAHEAD stages (chunks 0 .. LOOKAHEAD - 1, clamped to the last)."""
+    for s in range(LOOKAHEAD):
+        _load_stage(cta.src, cutlass.min(Int32(s), cta.last_chunk), ring + s * cta.stage_bytes)
+        ptx.cp_async_commit()
+
+
+# ----------------------------------------------------------------------------------------------
+# Operands from a stage
+# ----------------------------------------------------------------------------------------------
+def _chain_int_count(n_tiles):
+    """Int32 registers of _chain_operands: v (2 per n-tile), row masks (2), INV hi / lo (8),
+    kr^T tile 0 hi / lo (8)."""
+    return 2 * n_tiles + 2 + 8 + 8
+
+
+CHAIN_FLOATS = 4  # b (2 rows of the lane), gt of k-tile 0 (2 rows)
+
+
+def _chain_operands(src, stage, row_tok0, lane, col_w, n_tiles):
+    """The serial chain's operands of the chunk in `stage` (first token row_tok0) for one lane:
+    (a flat Int32 list, see _split_chain_operands; [b per half, gt of k-tile 0 per half])."""
+    ints = []
+    for nt in range(n_tiles):
+        for half in range(2):
+            col = col_w + nt * 8 + acc_col(lane)
+            ints.append(
+                ptx.ld_shared_b32(
+                    stage + src.v_off + v_smem_offset(acc_row(lane, half), col, src.block_v)
+                )
+            )
+    for half in range(2):  # all ones for rows before the sequence end, else 0
+        row = row_tok0 + acc_row(lane, half)
+        ints.append(ptx.select_lt(row, src.eos, Int32(-1), Int32(0)))
+    small_off = ldmatrix_small_offset(lane)
+    ints += ptx.ldmatrix_x4(stage + OFF32_INV_HI + small_off)
+    ints += ptx.ldmatrix_x4(stage + OFF32_INV_LO + small_off)
+    kr_hi, kr_lo = _krt_operands(stage, lane, 0)
+    ints += kr_hi + kr_lo
+    floats = [
+        ptx.sigmoid(ptx.bf16x2_lo_to_f32(_beta_bits(src, stage, row_tok0, acc_row(lane, half))))
+        for half in range(2)
+    ]
+    floats += _gt_rows(stage, lane, 0)
+    return ints, floats
+
+
+def _split_chain_operands(ints, n_tiles):
+    """(v[nt][half], row masks [half], (INV_hi, INV_lo), (kr^T_hi, kr^T_lo) of k-tile 0)."""
+    v = [ints[2 * nt : 2 * nt + 2] for nt in range(n_tiles)]
+    at = 2 * n_tiles
+    row_mask = ints[at : at + 2]
+    inv = (ints[at + 2 : at + 6], ints[at + 6 : at + 10])
+    kr0 = (ints[at + 10 : at + 14], ints[at + 14 : at + 18])
+    return v, row_mask, inv, kr0
+
+
+def _krt_operands(stage, lane, mt):
+    """(kr_hi^T, kr_lo^T) A fragments of k-tile mt (ldmatrix.trans of the swizzled kr tiles)."""
+    off = ldmatrix_krt_offset(lane, mt)
+    return (
+        ptx.ldmatrix_x4_trans(stage + OFF32_KR_HI + off),
+        ptx.ldmatrix_x4_trans(stage + OFF32_KR_LO + off),
+    )
+
+
+def _gt_rows(stage, lane, mt):
+    """gt[k] of this lane's two accumulator rows of k-tile mt."""
+    return [
+        ptx.ld_shared_f32(stage + OFF32_GT + (mt * 16 + acc_row(lane, half)) * 4)
+        for half in range(2)
+    ]
+
+
+def _mqk_operands(stage, lane):
+    """(Mqk_hi, Mqk_lo) A fragments."""
+    off = ldmatrix_small_offset(lane)
+    return ptx.ldmatrix_x4(stage + OFF32_MQK_HI + off), ptx.ldmatrix_x4(stage + OFF32_MQK_LO + off)
+
+
+def _p_oq_operands(stage, lane, kb):
+    """(kd_hi, qd_hi, qd_lo) A fragments of k-block kb."""
+    off = ldmatrix_a_offset(lane, kb)
+    return (
+        ptx.ldmatrix_x4(stage + OFF32_KD_HI + off),
+        ptx.ldmatrix_x4(stage + OFF32_QD_HI + off),
+        ptx.ldmatrix_x4(stage + OFF32_QD_LO + off),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The arithmetic, piece by piece (docs/fp32_mode.md section 1)
+# ----------------------------------------------------------------------------------------------
+def sum_terms(hh, hl, lh=None):
+    """mma_product's sum of a product's term chains, per accumulator register: hh + hl, or
+    hh + (hl + lh) (small terms first)."""
+    if lh is None:
+        return [ptx.fadd(a, b) for a, b in zip(hh, hl)]
+    return [ptx.fadd(a, ptx.fadd(b, c)) for a, b, c in zip(hh, hl, lh)]
+
+
+def split_to_b_operands(c4, row_mask=None):
+    """An f32 accumulator tile (4 registers, K = its 16 rows) -> the B operands (hi, lo) of
+    split(tile): each row pair is split into packed hi / lo words, movmatrix.trans of the top and
+    bottom halves' words is the B operand. row_mask: per half, ANDed into both words (rows past
+    the sequence end: exactly 0)."""
+    words = [ptx.split_hi_lo_bf16x2(c4[2 * half], c4[2 * half + 1]) for half in range(2)]
+    if row_mask is not None:
+        words = [(hi & row_mask[half], lo & row_mask[half]) for half, (hi, lo) in enumerate(words)]
+    b_hi = (ptx.movmatrix_trans(words[0][0]), ptx.movmatrix_trans(words[1][0]))
+    b_lo = (ptx.movmatrix_trans(words[0][1]), ptx.movmatrix_trans(words[1][1]))
+    return b_hi, b_lo
+
+
+def three_term_product(a_hi, a_lo, b_hi, b_lo, zero_f):
+    """a . b with terms hh, hl, lh (three independent one-MMA chains from zero), summed
+    hh + (hl + lh)."""
+    zero4 = [zero_f] * 4
+    hh = ptx.mma_bf16_16816(a_hi, b_hi, zero4)
+    hl = ptx.mma_bf16_16816(a_hi, b_lo, zero4)
+    lh = ptx.mma_bf16_16816(a_lo, b_hi, zero4)
+    return sum_terms(hh, hl, lh)
+
+
+def u_values(p4, v_in, b_in):
+    """u = (f32(v) - P) * b for one n-tile's accumulator tile: p4 = P (4 f32), v_in[half] the
+    packed bf16 v of the lane's row pair, b_in[half] f32 sigmoid(beta) of that row."""
+    u = []
+    for half in range(2):
+        v_pair = (ptx.bf16x2_lo_to_f32(v_in[half]), ptx.bf16x2_hi_to_f32(v_in[half]))
+        for e in range(2):
+            u.append(ptx.fmul(ptx.fsub(v_pair[e], p4[2 * half + e]), b_in[half]))
+    return u
+
+
+def u_to_b_operands(p_hh, p_hl, v_in, b_in, row_mask, a_inv, zero_f):
+    """Steps 3 and 4 for one n-tile: P = hh + hl, u, split(u) (masked rows 0), U = INV . u
+    (three terms), split(U) -> (U_hi, U_lo) as B operands (K = the chunk's 16 rows)."""
+    u = u_values(sum_terms(p_hh, p_hl), v_in, b_in)
+    u_hi, u_lo = split_to_b_operands(u, row_mask)
+    big_u = three_term_product(a_inv[0], a_inv[1], u_hi, u_lo, zero_f)
+    return split_to_b_operands(big_u)
+
+
+def state_tile_update(s4, gt2, w4):
+    """S[j, k] = fmaf(S[j, k], gt[k], W[k, j]) for one accumulator tile (f32 .ftz); gt2 per
+    half (the lane's two k rows)."""
+    return [ptx.ffma(s4[i], gt2[i // 2], w4[i]) for i in range(4)]
+
+
+def p_oq_step(a_ops, b_hi, b_lo, chains):
+    """k-block kb of P's two chains (kd_hi.S_hi, kd_hi.S_lo) and Oq's three (qd_hi.S_hi,
+    qd_hi.S_lo, qd_lo.S_hi): chains = [p_hh, p_hl, o_hh, o_hl, o_lh], 4 f32 each."""
+    a_kd, a_qd_hi, a_qd_lo = a_ops
+    p_hh, p_hl, o_hh, o_hl, o_lh = chains
+    return [
+        ptx.mma_bf16_16816(a_kd, b_hi, p_hh),
+        ptx.mma_bf16_16816(a_kd, b_lo, p_hl),
+        ptx.mma_bf16_16816(a_qd_hi, b_hi, o_hh),
+        ptx.mma_bf16_16816(a_qd_hi, b_lo, o_hl),
+        ptx.mma_bf16_16816(a_qd_lo, b_hi, o_lh),
+    ]
+
+
+def out_pair(o_hh, o_hl, o_lh, m4, half):
+    """bf16x2 out of the lane's row pair `half`: bf16(Oq + Mqk.U), Oq = hh + (hl + lh)."""
+    oq = sum_terms(o_hh, o_hl, o_lh)
+    return ptx.pack_bf16x2_i32(
+        ptx.fadd(oq[2 * half], m4[2 * half]), ptx.fadd(oq[2 * half + 1], m4[2 * half + 1])
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Loop-carried registers, the prologue, one chunk step
+# ----------------------------------------------------------------------------------------------
+class _LoopRegs:
+    """Registers carried across the chunk loop's back-edge (rmem tensors)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+CHAINS = 5  # P: hh, hl; Oq: hh, hl, lh
+
+
+def _loop_registers(rec):
+    """P(c) / Oq(c) as their five unsummed chains (20 f32 per n-tile: summing them before the
+    back-edge would make every warp wait for its MMAs before the barrier), and chunk c's serial
+    chain operands, read in iteration c - 1 before the barrier (ptxas moves no load across it)."""
+    NT = rec.n_tiles
+    n_ints = _chain_int_count(NT)
+    return _LoopRegs(
+        acc=cute.make_rmem_tensor(cute.make_layout(4 * CHAINS * NT), Float32),
+        ints=cute.make_rmem_tensor(cute.make_layout(n_ints), Int32),
+        floats=cute.make_rmem_tensor(cute.make_layout(CHAIN_FLOATS), Float32),
+        n_ints=n_ints,
+        zero_f=Float32(0.0),
+    )
+
+
+def _chains_of(regs, nt):
+    """The five carried chains of n-tile nt, each a list of 4 f32."""
+    base = nt * 4 * CHAINS
+    return [[regs.acc[base + 4 * ch + i] for i in range(4)] for ch in range(CHAINS)]
+
+
+def _store_chains(regs, nt, chains):
+    base = nt * 4 * CHAINS
+    for ch in range(CHAINS):
+        for i in range(4):
+            regs.acc[base + 4 * ch + i] = chains[ch][i]
+
+
+def _store_chain_operands(regs, ints, floats):
+    for i in range(regs.n_ints):
+        regs.ints[i] = ints[i]
+    for i in range(CHAIN_FLOATS):
+        regs.floats[i] = floats[i]
+
+
+def _state_tile(state, mt, nt, n_tiles):
+    return [state[state_index(mt, nt, i, n_tiles)] for i in range(4)]
+
+
+def _set_state_tile(state, mt, nt, n_tiles, s4):
+    for i in range(4):
+        state[state_index(mt, nt, i, n_tiles)] = s4[i]
+
+
+def _prologue(cta, ring, state, regs):
+    """Chunk 0 landed; P(0), Oq(0) from the initial state, chunk 0's chain operands."""
+    NT = cta.n_tiles
+    lane = cta.lane
+    ptx.cp_async_wait(LOOKAHEAD - 1)  # chunk 0 has landed (this thread's copies)
+    ptx.cta_barrier()  # ... and everybody's
+    chains = [[[regs.zero_f] * 4 for _ in range(CHAINS)] for _ in range(NT)]
+    for kb in range(8):
+        a_ops = _p_oq_operands(ring, lane, kb)
+        for nt in range(NT):
+            b_hi, b_lo = split_to_b_operands(_state_tile(state, kb, nt, NT))
+            chains[nt] = p_oq_step(a_ops, b_hi, b_lo, chains[nt])
+    for nt in range(NT):
+        _store_chains(regs, nt, chains[nt])
+    ints, floats = _chain_operands(cta.src, ring, cta.bos, lane, cta.col_w, NT)
+    _store_chain_operands(regs, ints, floats)
+
+
+def _chunk_step(cta, ring, state, regs, c):
+    """Iteration c of the chunk loop (module docstring: software pipeline)."""
+    NT = cta.n_tiles
+    KD_AHEAD, KR_AHEAD = AHEAD[NT]
+    lane = cta.lane
+    zero_f = regs.zero_f
+    src = cta.src
+    # Chunk c+1 visible to all; the stage of chunk c-1 is free (refilled further down).
+    ptx.cp_async_wait(LOOKAHEAD - 2)
+    ptx.cta_barrier()
+    cur = ring + (c % STAGES) * cta.stage_bytes
+    nxt = ring + ((c + 1) % STAGES) * cta.stage_bytes
+    row_tok0 = cta.bos + c * CHUNK
+
+    v_in, row_mask, a_inv, a_kr0 = _split_chain_operands(
+        [regs.ints[i] for i in range(regs.n_ints)], NT
+    )
+    b_in = [regs.floats[0], regs.floats[1]]
+    a_kr = [None] * 8
+    gt = [None] * 8
+    a_kr[0] = a_kr0
+    gt[0] = [regs.floats[2], regs.floats[3]]
+    for mt in range(1, 1 + KR_AHEAD):
+        a_kr[mt] = _krt_operands(cur, lane, mt)
+        gt[mt] = _gt_rows(cur, lane, mt)
+    a_next = [None] * 8
+    for kb in range(KD_AHEAD):
+        a_next[kb] = _p_oq_operands(nxt, lane, kb)
+    carried = [_chains_of(regs, nt) for nt in range(NT)]
+
+    # The serial chain: u, U (steps 3, 4).
+    ub = [
+        u_to_b_operands(
+            carried[nt][0], carried[nt][1], v_in[nt], b_in, row_mask, a_inv, zero_f
+        )
+        for nt in range(NT)
+    ]
+    # W tile 0 (on the chain), then Mqk . U (off it).
+    w = [None] * 8
+    w[0] = [three_term_product(a_kr[0][0], a_kr[0][1], ub[nt][0], ub[nt][1], zero_f)
+            for nt in range(NT)]
+    a_mqk = _mqk_operands(cur, lane)
+    m_acc = [three_term_product(a_mqk[0], a_mqk[1], ub[nt][0], ub[nt][1], zero_f)
+             for nt in range(NT)]
+
+    # State tile by tile: W tile mt + 1 issued while tile mt is folded in; each updated tile is
+    # split and feeds k-block mt of the next chunk's five chains. On the last chunk the
+    # next-chunk products read a duplicate of the last record and are discarded.
+    chains = [[[zero_f] * 4 for _ in range(CHAINS)] for _ in range(NT)]
+    for mt in range(8):
+        if mt + KD_AHEAD < 8:
+            a_next[mt + KD_AHEAD] = _p_oq_operands(nxt, lane, mt + KD_AHEAD)
+        if mt + 1 + KR_AHEAD < 8:
+            a_kr[mt + 1 + KR_AHEAD] = _krt_operands(cur, lane, mt + 1 + KR_AHEAD)
+            gt[mt + 1 + KR_AHEAD] = _gt_rows(cur, lane, mt + 1 + KR_AHEAD)
+        if mt + 1 < 8:
+            w[mt + 1] = [
+                three_term_product(a_kr[mt + 1][0], a_kr[mt + 1][1], ub[nt][0], ub[nt][1], zero_f)
+                for nt in range(NT)
+            ]
+        for nt in range(NT):
+            s4 = state_tile_update(_state_tile(state, mt, nt, NT), gt[mt], w[mt][nt])
+            _set_state_tile(state, mt, nt, NT, s4)
+            b_hi, b_lo = split_to_b_operands(s4)
+            chains[nt] = p_oq_step(a_next[mt], b_hi, b_lo, chains[nt])
+        if mt == 0:
+            # out = bf16(Oq + Mqk . U), valid rows only, registers -> global (step 5)
+            for nt in range(NT):
+                o_hh, o_hl, o_lh = carried[nt][2:]
+                for half in range(2):
+                    tok = row_tok0 + acc_row(lane, half)
+                    addr = cta.out_lane[nt] + Int64(tok) * cta.out_row_bytes
+                    value = out_pair(o_hh, o_hl, o_lh, m_acc[nt], half)
+                    ptx.st_global_b32_if(addr, value, tok, cta.eos)
+        if mt == 1:
+            # refill the stage freed by the barrier (chunk c - 1's) with chunk c + LOOKAHEAD
+            _load_stage(
+                src,
+                cutlass.min(c + LOOKAHEAD, cta.last_chunk),
+                ring + ((c + LOOKAHEAD) % STAGES) * cta.stage_bytes,
+            )
+            ptx.cp_async_commit()
+        if mt == 2:
+            # chunk c+1's serial-chain operands (on the last chunk: a duplicate, never used)
+            ints, floats = _chain_operands(src, nxt, row_tok0 + CHUNK, lane, cta.col_w, NT)
+            _store_chain_operands(regs, ints, floats)
+    for nt in range(NT):
+        _store_chains(regs, nt, chains[nt])
+
+
+def compile_kernel(
+    block_v: int = 32,
+    arch: str = "sm_90a",
+    *,
+    n_tiles: int | None = None,
+    dump_dir: str | None = None,
+):
+    """The fp32-mode column-split recurrence with `block_v` value columns per CTA, compiled for
+    `arch` (compile_utils.compile_for_arch); `n_tiles` per warp: warp_split."""
+    return compile_for_arch(KdaRecurrenceFp32(block_v, n_tiles), recurrence_fp32_args(), arch,
+                            dump_dir=dump_dir)

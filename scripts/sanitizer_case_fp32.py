@@ -1,0 +1,41 @@
+"""Small fp32-mode KDA calls for compute-sanitizer (memcheck/racecheck): varlen prefill (an empty
+sequence, a partial last chunk) at every column split with an f32 initial state, a state pool
+with padding and out-of-range indices, a decode step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_kda
+
+rng = np.random.default_rng(0)
+cu = np.array([0, 5, 5, 37, 70], np.int32)
+T, H, N = int(cu[-1]), 2, len(cu) - 1
+
+
+def bf16(*shape):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), jnp.bfloat16)
+
+
+args = dict(q=bf16(1, T, H, 128), k=bf16(1, T, H, 128), v=bf16(1, T, H, 128), g=bf16(1, T, H, 128),
+            beta=bf16(1, T, H), A_log=jnp.zeros((H,), jnp.float32),
+            dt_bias=jnp.asarray(rng.standard_normal((H, 128)), jnp.float32))
+state = jnp.asarray(rng.standard_normal((N, H, 128, 128), dtype=np.float32), jnp.float32)
+for bv in (16, 32, 64, 128):
+    out, st = jax.block_until_ready(jax_kda.kda_prefill(
+        **args, cu_seqlens=jnp.asarray(cu), initial_state=state, output_final_state=True,
+        backend="kernel", column_split=bv, numerics="fp32"))
+print("fp32 sanitizer case ran", out.shape, st.shape)
+
+P = 4
+idx = jnp.asarray([2, -1, 7, 0], jnp.int32)  # 7 >= P: padding under jit
+pool = jnp.asarray(rng.standard_normal((P, H, 128, 128), dtype=np.float32), jnp.float32)
+out, pool = jax.block_until_ready(jax.jit(lambda a, pool, idx: jax_kda.kda_prefill(
+    **a, cu_seqlens=jnp.asarray(cu), initial_state=pool, state_indices=idx,
+    output_final_state=True, backend="kernel", numerics="fp32"))(args, pool, idx))
+step = {name: x[:, :12].reshape((4, 3) + x.shape[2:]) for name, x in args.items()
+        if name in ("q", "k", "v", "g", "beta")}
+result = jax.block_until_ready(jax.jit(lambda s, pool, idx: jax_kda.kda_decode(
+    **s, A_log=args["A_log"], dt_bias=args["dt_bias"], state=pool, state_indices=idx,
+    backend="kernel", numerics="fp32"))(step, pool, idx))
+print("fp32 sanitizer serving case ran", result[0].shape)

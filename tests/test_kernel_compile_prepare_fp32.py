@@ -1,0 +1,200 @@
+"""CPU checks of the fp32 mode's prepare kernel (jax_kda/kernels/prepare_fp32.py): it compiles for
+sm_90a and sm_100a, its PTX/SASS hold the instructions docs/fp32_mode.md's arithmetic relies on
+(three MMA chains per product, f32 .ftz arithmetic, no bf16 arithmetic), with no local memory and
+the shared memory and registers of four CTAs per SM. Needs nvidia-cutlass-dsl (build time only);
+SASS checks also need cuobjdump (nvidia-cuda-cuobjdump wheel or a CUDA toolkit), and are skipped
+without it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+cutlass = pytest.importorskip("cutlass")
+cute = pytest.importorskip("cutlass.cute")
+
+from jax_kda import contract
+from jax_kda.kernels import prepare_fp32
+
+ARCHS = tuple(contract.ARCHS)
+# 6 chains (hh, hl, lh of L and of Mqk) x 8 k-blocks x 2 n8 atoms of a 16x16 output
+MMAS = 6 * 8 * 2
+# an SM's shared memory (sm_90 and sm_100: 228 KB), of which each CTA also takes 1 KB reserved
+# and the DSL's 1 KB of static shared memory
+SM_SHARED_BYTES = 228 * 1024
+CTAS_PER_SM = 4
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for root in sys.path:
+        cand = Path(root) / "nvidia" / "cu13" / "bin" / "cuobjdump"
+        if cand.is_file():
+            return str(cand)
+    return None
+
+
+_BUILD_SCRIPT = """
+import sys
+from jax_kda import contract
+from jax_kda.kernels import prepare_fp32
+out = sys.argv[1]
+for arch in contract.ARCHS:
+    c = prepare_fp32.compile_kernel(arch, dump_dir=out)
+    open(f"{out}/{arch}.ptx", "w").write(c.__ptx__)
+    open(f"{out}/{arch}.cubin", "wb").write(c.__cubin__)
+    open(f"{out}/{arch}.mlir", "w").write(str(c.ir_module))
+"""
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """{arch: (ptx text, cubin bytes, host IR text)}.
+
+    Built in a child process: the DSL fixes its artifact dump directory (the working directory)
+    at import, so this keeps the dumps out of the checkout.
+    """
+    dump = tmp_path_factory.mktemp("prepare_fp32_dump")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(
+        os.environ,
+        CUTE_DSL_DUMP_DIR=str(dump),
+        PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    )
+    subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT, str(dump)],
+        cwd=dump,
+        env=env,
+        check=True,
+        timeout=600,
+    )
+    out = {}
+    for arch in ARCHS:
+        stem = dump / arch
+        out[arch] = (
+            stem.with_suffix(".ptx").read_text(),
+            stem.with_suffix(".cubin").read_bytes(),
+            stem.with_suffix(".mlir").read_text(),
+        )
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, arch):
+    ptx, _, _ = builds[arch]
+    assert f".target {arch}" in ptx
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == MMAS
+    for instr in (
+        "ex2.approx.ftz.f32",
+        "tanh.approx.f32",
+        "rsqrt.approx.ftz.f32",
+        "shfl.sync.bfly",
+        "shfl.sync.idx",
+        "fma.rn.ftz.f32",
+        "cvt.rn.bf16.f32",
+    ):
+        assert instr in ptx, instr
+    # bf16 -> f32 must be a bit shift: a cvt would flush subnormals under -ftz
+    assert "cvt.f32.bf16" not in ptx
+    # no intermediate is rounded by bf16 or f16 arithmetic in this mode
+    assert not re.search(r"\b(add|sub|mul|fma)\.rn(\.ftz)?\.(bf16|f16)", ptx)
+    # every non-approx f32 add/mul/fma is the fast-math .ftz form
+    assert not re.search(r"\b(add|sub|mul|fma)(\.rn)?\.f32\b", ptx)
+    # 16-byte global accesses (q/k/g loads, record stores)
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_local_memory_in_ptx(builds, arch):
+    ptx, _, _ = builds[arch]
+    assert not re.search(r"\b(ld|st)\.local\b", ptx)
+    assert ".local" not in ptx
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_memory_fits_four_ctas_per_sm(builds, arch):
+    _, _, host_ir = builds[arch]
+    # the launch's dynamic shared memory is the module's SMEM_BYTES
+    assert re.search(rf"constant\({prepare_fp32.SMEM_BYTES} : i64\)", host_ir)
+    assert CTAS_PER_SM * (prepare_fp32.SMEM_BYTES + 2048) <= SM_SHARED_BYTES
+
+
+def test_shared_memory_layout_sums_its_allocations():
+    assert prepare_fp32.SMEM_BYTES == 23040 + 6 * 4096 + 16 * 17 * 4 + 32 * 4 + 16 * 4
+    # the raw q, k, g rows fit in the first operand tiles they share bytes with
+    assert len(prepare_fp32.RAW_ROWS) <= len(prepare_fp32.OPERANDS)
+    assert prepare_fp32.RECORD_BYTES == contract.FP32_RECORD_BYTES
+    assert prepare_fp32.RECORD_GRANULES * 16 == contract.FP32_RECORD_BYTES
+    assert prepare_fp32.EARLY_GRANULES * 16 == contract.FP32_RECORD["inv_hi"]
+    # phase D stores the INV and Mqk hi/lo fields with one granule per thread
+    assert prepare_fp32.RECORD_GRANULES - prepare_fp32.EARLY_GRANULES == prepare_fp32.NUM_THREADS
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sass(builds, arch, tmp_path):
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    _, cubin, _ = builds[arch]
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    path = tmp_path / "prepare_fp32.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run(
+        [tool, "-sass", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    res = subprocess.run(
+        [tool, "-res-usage", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"code for {arch}" in sass
+    assert len(re.findall(r"HMMA\.16816\.F32\.BF16", sass)) == MMAS
+    for op in ("MUFU.EX2", "MUFU.TANH", "MUFU.RSQ", "SHFL.BFLY", "SHFL.IDX"):
+        assert op in sass, op
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    assert re.search(r"LOCAL:0\b", res), res
+    assert re.search(r"STACK:0\b", res), res
+    # four CTAs of 128 threads per SM: at most 128 registers per thread
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    assert regs * prepare_fp32.NUM_THREADS * CTAS_PER_SM <= 65536, res
+
+
+def test_export_to_c_without_gpu(tmp_path):
+    """compiled.export_to_c works here (no GPU), with KdaPrepare's argument list."""
+    from jax_kda._aot.build import load_dsl_runtime
+
+    load_dsl_runtime()
+    compiled = prepare_fp32.compile_kernel("sm_90a")
+    compiled.export_to_c(str(tmp_path), "kda_prepare_fp32_test", "kda_prepare_fp32_test")
+    header = (tmp_path / "kda_prepare_fp32_test.h").read_text()
+    assert (tmp_path / "kda_prepare_fp32_test.o").stat().st_size > 0
+    sig = re.search(r"int32_t cute_dsl_kda_prepare_fp32_test_wrapper\(([^)]*)\)", header)
+    assert sig, "wrapper prototype missing"
+    params = [p.strip() for p in sig.group(1).split(",")]
+    names = [p.split()[-1].lstrip("*") for p in params]
+    assert names == [
+        "module",
+        "mQ",
+        "mK",
+        "mG",
+        "mBeta",
+        "mALog",
+        "mDtBias",
+        "mCuSeqlens",
+        "mWorkspace",
+        "scale",
+        "lower_bound",
+        "stream",
+    ]
+
+
+def test_compile_kernel_rejects_unknown_arch():
+    with pytest.raises(ValueError):
+        prepare_fp32.compile_kernel("sm_80")

@@ -1,0 +1,569 @@
+"""CPU checks of the fp32-mode column-split recurrence kernel (jax_kda/kernels/recurrence_fp32.py).
+
+1. The chunk loop, run as the kernel's own trace-time helpers (_load_state_f32, _prologue,
+   _chunk_step, _store_state_f32) on an f32-arithmetic variant of kernel_sim.SimtValues: one
+   Python thread per GPU thread, real warp collectives (ldmatrix, movmatrix, mma.m16n8k16 with
+   the PTX ISA fragment layouts of kernel_sim), bf16 roundings, the hi/lo splits and .ftz f32
+   arithmetic emulated in numpy (an MMA: the exact 16-term dot plus C, rounded once to f32).
+   * Against a numpy model of the same arithmetic written as matrices (split, 16-wide k-blocks
+     ascending, mma_product's term order): bitwise, for every warp of every block_v, a partial
+     last chunk (rows past the end hold garbage v) and more chunks than ring stages. So the
+     fragment layouts, column ownership, the term sums' order and the k-block order are the
+     model's, and every block_v gives the same bits.
+   * The model against jax_kda.reference_fp32 (the mode's definition; XLA's summation order
+     inside the dots): outputs nearly all bit-equal, final state within ~1e-6 relative RMSE,
+     while dropping any one lo term moves them by ~1e-3 (the check is sensitive to it).
+2. The stage loader copies the 23,040-byte record, v rows and beta logits (a fake memory with
+   bounds checks), nothing past the sequence end.
+3. Compilation of every block_v for sm_90a and sm_100a: the expected MMA / movmatrix counts in the
+   PTX, no local memory (cuobjdump -res-usage, no LDL / STL in SASS), at most 255 registers.
+"""
+
+import re
+import subprocess
+import types
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cutlass")
+fp32 = pytest.importorskip("jax_kda.kernels.recurrence_fp32")
+from kernel_sim import LANES, Pair, SimtValues, cuda_tool, single_cubin  # noqa: E402
+
+from jax_kda import contract  # noqa: E402
+from jax_kda.kernels import recurrence as rec  # noqa: E402
+from jax_kda.kernels import recurrence_common as common  # noqa: E402
+
+F32_MIN_NORMAL = 2.0**-126
+
+
+# ------------------------------------------------------------------------------------------
+# f32 / bf16 arithmetic on Python floats and numpy arrays
+# ------------------------------------------------------------------------------------------
+def to_f32(x):
+    """Round to f32 (float64 arrays or scalars in, float64 out), then flush subnormals (.ftz)."""
+    y = np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
+    return np.where(np.abs(y) < F32_MIN_NORMAL, 0.0 * y, y)
+
+
+def to_bf16(x):
+    """Round an f32 value to bf16, nearest even (subnormals kept, as cvt.rn.bf16x2.f32)."""
+    bits = np.asarray(x, np.float64).astype(np.float32).view(np.uint32).astype(np.uint64)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return (r.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def split(x):
+    """recurrence_fp32's split: (bf16(x), bf16(x - bf16(x))), the difference exact, .ftz."""
+    hi = to_bf16(x)
+    return hi, to_bf16(to_f32(np.asarray(x, np.float64) - hi))
+
+
+def fma(a, b, c):
+    return to_f32(np.asarray(a, np.float64) * b + c)
+
+
+def sigmoid(x):
+    t = np.tanh(to_f32(0.5 * np.asarray(x, np.float64)))
+    return to_f32(t * 0.5 + 0.5)
+
+
+class SimtF32(SimtValues):
+    """SimtValues with the fp32 mode's arithmetic: packed registers hold bf16 values (Pair),
+    f32 registers floats, every rounding of the kernel's wrappers emulated (to_f32 / to_bf16);
+    an MMA is the exact dot plus C, rounded once to f32."""
+
+    PATCHED = SimtValues.PATCHED + (
+        "split_hi_lo_bf16x2",
+        "fadd",
+        "fsub",
+        "fmul",
+        "sigmoid",
+        "ld_shared_u16",
+        "ld_shared_b32",
+        "ld_global_f32",
+        "st_global_f32",
+    )
+
+    def mma_bf16_16816(self, a, b, c):
+        d = super().mma_bf16_16816(a, b, c)
+        return [float(to_f32(x)) for x in d]
+
+    def pack_bf16x2_i32(self, lo, hi):
+        return Pair(to_bf16(float(lo)), to_bf16(float(hi)))
+
+    def split_hi_lo_bf16x2(self, x0, x1):
+        (h0, l0), (h1, l1) = split(float(x0)), split(float(x1))
+        return Pair(h0, h1), Pair(l0, l1)
+
+    def fadd(self, a, b):
+        return float(to_f32(float(a) + float(b)))
+
+    def fsub(self, a, b):
+        return float(to_f32(float(a) - float(b)))
+
+    def fmul(self, a, b):
+        return float(to_f32(float(a) * float(b)))
+
+    def ffma(self, a, b, c):
+        return float(fma(float(a), float(b), float(c)))
+
+    def sigmoid(self, x):
+        return float(sigmoid(float(x)))
+
+    def bf16x2_lo_to_f32(self, w):
+        return w.lo if isinstance(w, Pair) else float(w)
+
+    def ld_shared_u16(self, addr):  # the beta logit, as a value
+        return float(self.smem16[self._s(addr, 2) // 2])
+
+    def ld_shared_b32(self, addr):
+        a = self._s(addr, 4) // 2
+        return Pair(self.smem16[a], self.smem16[a + 1])
+
+    def ld_global_f32(self, addr):
+        return self.g[int(addr)]
+
+    def st_global_f32(self, addr, value):
+        a = int(addr)
+        assert a % 4 == 0
+        with self.lock:
+            self.global_writes.append((a, 4))
+        self.g[a] = float(value)
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs: a realistic fp32 workspace from the reference prepare, the numpy model
+# ------------------------------------------------------------------------------------------
+def _workspace(rng, n_chunks, n_valid_last):
+    """prepare_reference_fp32 on random chunked tokens (gates of the "fla" kind); returns the
+    workspace fields as float64 numpy arrays [C, ...], beta logits [C, 16] and the valid rows."""
+    jnp = pytest.importorskip("jax.numpy")
+    from jax_kda import reference_fp32
+
+    valid = np.ones((n_chunks, 16), bool)
+    valid[-1, n_valid_last:] = False
+    q, k, g = (rng.standard_normal((n_chunks, 16, 128)).astype(np.float32) for _ in range(3))
+    beta = rng.standard_normal((n_chunks, 16)).astype(np.float32)
+    A_log = np.log(rng.uniform(1, 16, ())).astype(np.float32)
+    dt_bias = rng.standard_normal(128).astype(np.float32)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    ws = reference_fp32.prepare_reference_fp32(
+        bf(q), bf(k), bf(g), bf(beta), jnp.asarray(A_log), jnp.asarray(dt_bias),
+        scale=128**-0.5, lower_bound=-5.0, valid=jnp.asarray(valid),
+    )
+    f = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    fields = dict(
+        kd_hi=f(ws.kd.hi), qd_hi=f(ws.qd.hi), qd_lo=f(ws.qd.lo), kr_hi=f(ws.kr.hi),
+        kr_lo=f(ws.kr.lo), gt=f(ws.gt), inv_hi=f(ws.inv.hi), inv_lo=f(ws.inv.lo),
+        mqk_hi=f(ws.mqk.hi), mqk_lo=f(ws.mqk.lo),
+    )
+    return ws, fields, f(bf(beta)), valid
+
+
+def _mma_chain(a_blocks, b_blocks):
+    """One term's chain: acc = f32(exact(A_kb . B_kb) + acc) over k-blocks ascending, from 0."""
+    acc = 0.0
+    for a, b in zip(a_blocks, b_blocks):
+        acc = to_f32(a @ b + acc)
+    return acc
+
+
+def _kblocks(x, axis):
+    blocks = range(x.shape[axis] // 16)
+    return [np.take(x, np.arange(16 * i, 16 * i + 16), axis=axis) for i in blocks]
+
+
+def _product(a_hi, a_lo, b_hi, b_lo):
+    """a . b (a [M, K], b [K, N]) with mma_product's terms: hh + hl (a_lo None) or
+    hh + (hl + lh)."""
+    def chain(a, b):
+        return _mma_chain(_kblocks(a, 1), _kblocks(b, 0))
+
+    if a_lo is None:
+        return to_f32(chain(a_hi, b_hi) + chain(a_hi, b_lo))
+    return to_f32(chain(a_hi, b_hi) + to_f32(chain(a_hi, b_lo) + chain(a_lo, b_hi)))
+
+
+def model_chunk(S, w, c, v, b, n_valid):
+    """The kernel's arithmetic for one chunk as matrices. S f32 [cols (v), 128 (k)]; w the
+    workspace fields; v [16, cols] (values past n_valid ignored); b [16] f32. Returns (S', out)."""
+    s_hi, s_lo = split(S)
+    P = _product(w["kd_hi"][c], None, s_hi.T, s_lo.T)
+    Oq = _product(w["qd_hi"][c], w["qd_lo"][c], s_hi.T, s_lo.T)
+    u = to_f32(to_f32(v - P) * b[:, None])
+    u[n_valid:] = 0.0
+    u_hi, u_lo = split(u)
+    U = _product(w["inv_hi"][c], w["inv_lo"][c], u_hi, u_lo)
+    U_hi, U_lo = split(U)
+    out = to_bf16(to_f32(Oq + _product(w["mqk_hi"][c], w["mqk_lo"][c], U_hi, U_lo)))
+    W = np.concatenate(  # per 16-row k-tile: W^T[k, j] = kr^T . U
+        [
+            _product(w["kr_hi"][c][:, 16 * mt:16 * mt + 16].T,
+                     w["kr_lo"][c][:, 16 * mt:16 * mt + 16].T, U_hi, U_lo)
+            for mt in range(8)
+        ]
+    )
+    return fma(S, w["gt"][c][None, :], W.T), out
+
+
+# ------------------------------------------------------------------------------------------
+# One CTA on the emulator
+# ------------------------------------------------------------------------------------------
+T_SHIFT = 37  # bos: the sequence starts inside the token arrays
+HEADS, HEAD = 2, 1
+S0_BASE, ST_BASE, OUT_BASE = 1 << 20, 2 << 20, 4 << 20
+
+
+def _place_stage(sim, stage, fields, c, v_tile, logits, block_v, row_tok0):
+    """Chunk c's record, v tile and beta logits in the value arrays of the emulated ring stage."""
+    v_off, beta_off, _ = fp32.stage_layout(block_v)
+    r, col = np.meshgrid(np.arange(16), np.arange(128), indexing="ij")
+    swz = r * 128 + ((col // 8) ^ (r % 8)) * 8 + col % 8
+    for name in ("kd_hi", "qd_hi", "kr_hi", "qd_lo", "kr_lo"):
+        sim.smem16[(stage + contract.FP32_RECORD[name]) // 2 + swz] = fields[name][c]
+    for name in ("inv_hi", "inv_lo", "mqk_hi", "mqk_lo"):
+        at = (stage + contract.FP32_RECORD[name]) // 2
+        sim.smem16[at : at + 256] = fields[name][c].reshape(-1)
+    at = (stage + contract.FP32_RECORD["gt"]) // 4
+    sim.smem32[at : at + 128] = fields["gt"][c]
+    sim.smem16[(stage + v_off) // 2 : (stage + v_off) // 2 + 16 * block_v] = v_tile.reshape(-1)
+    for row in range(16):
+        elem = (row_tok0 + row) * HEADS + HEAD
+        sim.smem16[(stage + beta_off + 4 * row + ((2 * elem) & 2)) // 2] = logits[row]
+
+
+def _cta(block_v, n_tiles, tid, n_chunks, eos):
+    n_warps, n_tiles = fp32.warp_split(block_v, n_tiles)
+    lane, col_w = tid % 32, (tid // 32) * 8 * n_tiles
+    col_cta = 128 - block_v  # the last slice
+    _, _, stage_bytes = fp32.stage_layout(block_v)
+    row_bytes = HEADS * 128 * 2
+    return rec._Cta(
+        n_tiles=n_tiles, block_v=block_v, stage_bytes=stage_bytes, nthreads=32 * n_warps,
+        tid=tid, lane=lane, t2=rec.acc_col(lane), head=HEAD, seq=0, num_heads=HEADS,
+        bos=T_SHIFT, eos=eos, num_chunks=n_chunks, last_chunk=n_chunks - 1, col_cta=col_cta,
+        col_w=col_w, src=types.SimpleNamespace(
+            v_off=fp32.stage_layout(block_v)[0], beta_off=fp32.stage_layout(block_v)[1],
+            block_v=block_v, eos=eos, beta_base=0, num_heads=HEADS, head=HEAD),
+        out_row_bytes=row_bytes,
+        out_lane=[OUT_BASE + (HEAD * 128 + col_cta + col_w + nt * 8 + rec.acc_col(lane)) * 2
+                  for nt in range(n_tiles)],
+    )
+
+
+def run_cta(block_v, n_tiles, S0, fields, v_rows, logits, n_chunks, n_valid_last, monkeypatch):
+    """The kernel's chunk loop for the last column slice on SimtF32. S0 [128, 128] (v, k);
+    v_rows [C, 16, 128] (garbage past the end: the kernel must mask it). Returns (out [C, 16,
+    block_v], NaN where nothing was written; final state slice [block_v, 128])."""
+    n_warps, n_tiles = fp32.warp_split(block_v, n_tiles)
+    _, _, stage_bytes = fp32.stage_layout(block_v)
+    col_cta = 128 - block_v
+    eos = T_SHIFT + 16 * (n_chunks - 1) + n_valid_last
+    sim = SimtF32(fp32.smem_bytes(block_v), 32 * n_warps)
+    sim.patch(monkeypatch, fp32.ptx)
+    for j in range(128):
+        for k in range(128):
+            sim.g[S0_BASE + (j * 128 + k) * 4] = float(S0[j, k])
+
+    def place(chunk, stage):
+        chunk = int(chunk)
+        _place_stage(sim, stage, fields, chunk, v_rows[chunk][:, col_cta:], logits[chunk],
+                     block_v, T_SHIFT + 16 * chunk)
+
+    # the stage loader (checked on its own below) becomes a direct write by thread 0: a refill
+    # happens after the barrier that frees its stage, so no thread still reads it
+    def fake_load_stage(src, chunk, stage):
+        if src.tid == 0:
+            place(chunk, stage)
+
+    monkeypatch.setattr(fp32, "_load_stage", fake_load_stage)
+
+    def body(tid):
+        cta = _cta(block_v, n_tiles, tid, n_chunks, eos)
+        cta.src.tid = tid
+        state = [None] * (32 * n_tiles)
+        regs = fp32._LoopRegs(
+            acc=[None] * (4 * fp32.CHAINS * n_tiles),
+            ints=[None] * fp32._chain_int_count(n_tiles),
+            floats=[None] * fp32.CHAIN_FLOATS,
+            n_ints=fp32._chain_int_count(n_tiles),
+            zero_f=0.0,
+        )
+        fp32._load_state_f32(cta, state, S0_BASE)
+        fp32._prologue_loads(cta, 0)
+        fp32._prologue(cta, 0, state, regs)
+        for c in range(n_chunks):
+            fp32._chunk_step(cta, 0, state, regs, c)
+        fp32._store_state_f32(cta, state, ST_BASE)
+
+    sim.run(body)
+    out = np.full((n_chunks, 16, block_v), np.nan)
+    for c in range(n_chunks):
+        for r in range(16):
+            for col in range(block_v):
+                tok = T_SHIFT + 16 * c + r
+                a = OUT_BASE + (tok * HEADS * 128 + HEAD * 128 + col_cta + col) * 2
+                out[c, r, col] = sim.g.get(a, np.nan)
+    final = np.array([[sim.g[ST_BASE + (j * 128 + k) * 4] for k in range(128)]
+                      for j in range(col_cta, 128)])
+    # nothing but this slice's state rows and out elements of valid rows was written
+    for a, nbytes in sim.global_writes:
+        if a >= OUT_BASE:
+            tok, rest = divmod((a - OUT_BASE) // 2, HEADS * 128)
+            assert T_SHIFT <= tok < eos and rest // 128 == HEAD and rest % 128 >= col_cta
+        else:
+            assert ST_BASE + col_cta * 512 <= a < ST_BASE + 128 * 512 and nbytes == 4
+    return out, final
+
+
+def _inputs(rng, n_chunks, n_valid_last):
+    ws, fields, logits, valid = _workspace(rng, n_chunks, n_valid_last)
+    S0 = to_f32(rng.standard_normal((128, 128)) * 0.3)
+    v = to_bf16(rng.standard_normal((n_chunks, 16, 128)))
+    # rows past the end: stale ring data, which may even be NaN (never-written shared memory)
+    stale = to_bf16(rng.standard_normal(((~valid).sum(), 128)) * 100)
+    stale[::2] = np.nan
+    v[~valid] = stale
+    return ws, fields, logits, valid, S0, v
+
+
+def _model(fields, logits, valid, S0, v, cols):
+    S = S0[cols]
+    outs = []
+    for c in range(v.shape[0]):
+        S, out = model_chunk(S, fields, c, v[c][:, cols], sigmoid(logits[c]), int(valid[c].sum()))
+        outs.append(out)
+    return np.stack(outs), S
+
+
+# (block_v, n-tiles per warp (None: the default split), chunks, valid rows of the last chunk)
+CASES = [(16, None, 1, 16), (16, None, 6, 5), (32, None, 2, 1), (64, None, 1, 9),
+         (128, None, 2, 16), (32, 2, 2, 7)]
+
+
+@pytest.mark.parametrize("block_v,n_tiles,n_chunks,n_valid_last", CASES)
+def test_chunk_loop_on_the_emulator_is_the_model_bitwise(block_v, n_tiles, n_chunks,
+                                                         n_valid_last, monkeypatch):
+    rng = np.random.default_rng(1000 * block_v + 10 * n_chunks + n_valid_last)
+    _, fields, logits, valid, S0, v = _inputs(rng, n_chunks, n_valid_last)
+    out, final = run_cta(block_v, n_tiles, S0, fields, v, logits, n_chunks, n_valid_last,
+                         monkeypatch)
+    cols = np.arange(128 - block_v, 128)
+    want_out, want_final = _model(fields, logits, valid, S0, v, cols)
+    want_out[~valid] = np.nan  # rows past the end are not written
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(final, want_final)
+
+
+def _rel_rmse(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.sqrt(np.mean((x - ref) ** 2) / np.mean(ref**2))
+
+
+def test_model_is_the_reference_up_to_summation_order(monkeypatch):
+    """The numpy model (= the kernel's arithmetic, bitwise, above) against
+    recurrence_reference_fp32:
+    nearly every output bit-equal, the final state at the f32 level; the same check fails when
+    any one lo term is dropped from the model (so it would catch a missing or swapped term)."""
+    jnp = pytest.importorskip("jax.numpy")
+    from jax_kda import reference_fp32
+
+    rng = np.random.default_rng(5)
+    n_chunks = 24
+    ws, fields, logits, valid, S0, v = _inputs(rng, n_chunks, 16)
+    v_ref = jnp.asarray(np.where(valid[..., None], v, 0.0), jnp.bfloat16)
+    ref_out, ref_state = reference_fp32.recurrence_reference_fp32(
+        ws, v_ref, jnp.asarray(logits, jnp.bfloat16), jnp.asarray(S0, jnp.float32))
+    ref_out = np.asarray(jnp.asarray(ref_out, jnp.float32), np.float64)
+    ref_state = np.asarray(ref_state, np.float64)
+    cols = np.arange(128)
+    out, state = _model(fields, logits, valid, S0, v, cols)
+    assert np.mean(out == ref_out) > 0.97
+    assert _rel_rmse(state, ref_state) < 2e-6
+    assert _rel_rmse(out, ref_out) < 2e-4
+    for lo in ("qd_lo", "kr_lo", "inv_lo", "mqk_lo"):
+        reduced = dict(fields, **{lo: np.zeros_like(fields[lo])})
+        out_r, state_r = _model(reduced, logits, valid, S0, v, cols)
+        assert _rel_rmse(state_r, ref_state) > 2e-5 or _rel_rmse(out_r, ref_out) > 5e-4, lo
+
+
+# ------------------------------------------------------------------------------------------
+# The stage loader's address arithmetic on Python integers against a fake memory
+# ------------------------------------------------------------------------------------------
+class _FakeMemory:
+    """Global memory as one bytearray (addresses = offsets), shared memory as another; the
+    loader's memory wrappers act on them and check bounds."""
+
+    def __init__(self, gmem, arrays, smem_bytes):
+        self.gmem, self.arrays, self.smem = gmem, arrays, bytearray(smem_bytes)
+
+    def _check(self, addr, size):
+        assert any(s <= addr and addr + size <= e for s, e in self.arrays.values()), addr
+
+    def cp_async_16_if(self, smem, gmem, idx, limit):
+        smem, gmem = int(smem), int(gmem)
+        if int(idx) < int(limit):
+            self._check(gmem, 16)
+            assert gmem % 16 == 0 and smem % 16 == 0
+            self.smem[smem : smem + 16] = self.gmem[gmem : gmem + 16]
+
+    def beta_to_shared_if(self, slot, elem_addr, async_ok, idx, limit):
+        slot, elem_addr = int(slot), int(elem_addr)
+        if int(idx) < int(limit):
+            if int(async_ok):
+                word = elem_addr & ~3
+                self._check(word, 4)
+                self.smem[slot : slot + 4] = self.gmem[word : word + 4]
+            else:
+                self._check(elem_addr, 2)
+                off = slot + (elem_addr & 2)
+                self.smem[off : off + 2] = self.gmem[elem_addr : elem_addr + 2]
+
+    def select_lt(self, idx, limit, a, b):
+        return a if int(idx) < int(limit) else b
+
+    def ld_shared_u16(self, addr):
+        return int.from_bytes(self.smem[int(addr) : int(addr) + 2], "little")
+
+
+@pytest.mark.parametrize("block_v", contract.COLUMN_SPLITS)
+@pytest.mark.parametrize("eos", [37, 30])
+def test_stage_loader_copies_the_record_v_and_beta(block_v, eos, monkeypatch):
+    from cutlass import Int32
+
+    rng = np.random.default_rng(block_v + eos)
+    t_total, heads, head = 37, 3, 2
+    bos, slot0, n_slots = 5, 1, 4
+    n_warps, _ = fp32.warp_split(block_v)
+    v_off, beta_off, stage_bytes = fp32.stage_layout(block_v)
+    col_cta = 128 - block_v
+    v = rng.integers(0, 2**16, (t_total, heads, 128), dtype=np.uint16)
+    beta = rng.integers(0, 2**16, (t_total, heads), dtype=np.uint16)
+    ws = rng.integers(0, 256, (heads, n_slots, contract.FP32_RECORD_BYTES), dtype=np.uint8)
+    v_base, ws_base = 64, 64 + v.nbytes + 64
+    beta_base = ws_base + ws.nbytes + 64 + 2
+    gmem = bytearray(beta_base + beta.nbytes + 64)
+    gmem[v_base : v_base + v.nbytes] = v.tobytes()
+    gmem[ws_base : ws_base + ws.nbytes] = ws.tobytes()
+    gmem[beta_base : beta_base + beta.nbytes] = beta.tobytes()
+    arrays = {"v": (v_base, v_base + v.nbytes), "ws": (ws_base, ws_base + ws.nbytes),
+              "beta": (beta_base, beta_base + beta.nbytes)}
+    fake = _FakeMemory(gmem, arrays, 2 * stage_bytes)
+    for name in ("cp_async_16_if", "beta_to_shared_if", "select_lt", "ld_shared_u16"):
+        monkeypatch.setattr(fp32.ptx, name, getattr(fake, name))
+    for chunk in range(2):
+        stage = chunk * stage_bytes
+        for tid in range(32 * n_warps):
+            src = rec._Sources(
+                ws_head=ws_base + head * n_slots * contract.FP32_RECORD_BYTES, slot0=slot0,
+                v_col0=v_base + col_cta * 2, beta_base=beta_base, num_heads=heads, head=head,
+                bos=bos, eos=eos, beta_elems=t_total * heads, tid=tid, nthreads=32 * n_warps,
+                block_v=block_v, v_off=v_off, beta_off=beta_off,
+            )
+            fp32._load_stage(src, Int32(chunk), stage)
+        got = fake.smem[stage : stage + stage_bytes]
+        assert bytes(got[: contract.FP32_RECORD_BYTES]) == ws[head, slot0 + chunk].tobytes()
+        rows = np.arange(16) + bos + 16 * chunk
+        n_valid = int((rows < eos).sum())
+        v_tile = np.frombuffer(bytes(got[v_off:beta_off]), np.uint16).reshape(16, block_v)
+        np.testing.assert_array_equal(v_tile[:n_valid], v[rows[:n_valid], head, col_cta:])
+        assert not v_tile[n_valid:].any(), "rows past the sequence end must not be read"
+        for r in range(n_valid):
+            bits = rec._beta_bits(src, stage, Int32(bos + 16 * chunk), r)
+            assert int(bits) == beta[rows[r], head], (chunk, r)
+
+
+# ------------------------------------------------------------------------------------------
+# Layout facts and compilation (no GPU needed)
+# ------------------------------------------------------------------------------------------
+def test_record_offsets_and_stage_layout():
+    assert common.FP32_RECORD_BYTES == 23040
+    assert fp32.GRANULES * 16 == 23040
+    for name, off in contract.FP32_RECORD.items():
+        assert getattr(common, "OFF32_" + name.upper()) == off and off % 512 == 0
+    for bv in contract.COLUMN_SPLITS:
+        v_off, beta_off, stage = fp32.stage_layout(bv)
+        assert v_off == 23040 and beta_off == v_off + 32 * bv and stage % 128 == 0
+        assert stage >= beta_off + 64 and fp32.smem_bytes(bv) <= 227 * 1024
+    assert fp32.stage_layout(16)[2] == 23680
+
+
+def test_state_registers_cover_the_warp_columns_once():
+    for bv in contract.COLUMN_SPLITS:
+        n_warps, nt_count = fp32.warp_split(bv)
+        assert 8 * n_warps * nt_count == bv
+        seen = set()
+        for lane in range(32):
+            for mt in range(8):
+                for nt in range(nt_count):
+                    for i in range(4):
+                        k = 16 * mt + rec.acc_row(lane, i // 2)
+                        j = 8 * nt + rec.acc_col(lane) + i % 2
+                        seen.add((j, k, fp32.state_index(mt, nt, i, nt_count)))
+        want = {(j, k) for j in range(8 * nt_count) for k in range(128)}
+        assert {(j, k) for j, k, _ in seen} == want
+        assert len({r for _, _, r in seen}) == 32 * nt_count
+
+
+def test_warp_split():
+    assert [fp32.warp_split(bv) for bv in contract.COLUMN_SPLITS] == [(2, 1), (4, 1), (8, 1),
+                                                                       (8, 2)]
+    assert fp32.warp_split(64, 2) == (4, 2) and fp32.warp_split(16, 2) == (1, 2)
+    for bad in ((8, None), (128, 1), (64, 4), (16, 3)):
+        with pytest.raises(ValueError):
+            fp32.warp_split(*bad)
+
+
+# every default split on both targets, and the other two-n-tile splits (the benchmark knob)
+COMPILE_CASES = [
+    (bv, None, arch) for arch in ("sm_90a", "sm_100a") for bv in contract.COLUMN_SPLITS
+]
+COMPILE_CASES += [(bv, 2, "sm_90a") for bv in (16, 32, 64)]
+
+
+@pytest.mark.parametrize("block_v,n_tiles,arch", COMPILE_CASES)
+def test_compiles_without_local_memory(block_v, n_tiles, arch, tmp_path):
+    compiled = fp32.compile_kernel(block_v, arch, n_tiles=n_tiles, dump_dir=str(tmp_path))
+    ptx = compiled.__ptx__
+    _, n_tiles = fp32.warp_split(block_v, n_tiles)
+    assert f".target {arch}" in ptx
+    # per n-tile: prologue P(0) / Oq(0), 5 chains x 8 k-blocks (40 MMAs, 16 movmatrix of S hi/lo);
+    # loop body (emitted once): U 3 + Mqk.U 3 + W 8 x 3 + P / Oq 40 = 70 MMAs; movmatrix: u 4,
+    # U 4, state 32
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 110 * n_tiles
+    assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") == 72 * n_tiles
+    assert ".local" not in ptx
+    assert "sub.rn.ftz.f32" in ptx and "fma.rn.ftz.f32" in ptx and "tanh.approx.f32" in ptx
+    cuobjdump = cuda_tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not available: PTX checked, cubin resource usage not checked")
+    cubin = single_cubin(str(tmp_path))
+    res = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True,
+                         check=True).stdout
+    assert "LOCAL:0" in res and "STACK:0" in res, res
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    assert regs <= 255
+    print(f"fp32 recurrence bv{block_v} x{n_tiles} {arch}: REG {regs}")
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                          check=True).stdout
+    if sass.strip():
+        for op in ("HMMA.16816.F32.BF16", "MOVM.16.MT88", "LDSM.16.MT88.4"):
+            assert op in sass, op
+        assert "LDL" not in sass and "STL" not in sass
+
+
+def test_export_to_c_argument_order(tmp_path):
+    """The exported wrapper's arguments: the FFI handler codes against this order."""
+    from jax_kda._aot.build import load_dsl_runtime
+
+    load_dsl_runtime()
+    compiled = fp32.compile_kernel(32, "sm_90a")
+    prefix = "test_kda_recurrence_fp32_bv32_sm90a"
+    compiled.export_to_c(str(tmp_path), prefix, prefix)
+    header = (tmp_path / f"{prefix}.h").read_text()
+    sig = re.search(rf"int32_t cute_dsl_{prefix}_wrapper\(([^)]*)\)", header)
+    assert sig, header
+    names = [p.strip().split()[-1].lstrip("*") for p in sig.group(1).split(",")]
+    assert names == ["module", "mV", "mBeta", "mWorkspace", "mCuSeqlens", "mState0", "mOut",
+                     "mStateT", "stream"]

@@ -1,0 +1,182 @@
+"""kda_prefill / kda_decode with numerics="fp32", on the CPU: the reference path computes
+jax_kda.reference_fp32's arithmetic, pools and decode follow the pool conventions, bad
+combinations fail at trace time naming the argument, and the kernel path lowers to the fp32
+mode's own custom calls (23,040-byte records, f32 states) while the default mode's lowering is
+unchanged."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kda
+from jax_kda import _kernel_path, _launch, contract, reference_fp32
+from jax_kda._checks import Problem
+
+SCALE, LOWER = 128**-0.5, -5.0
+
+
+def inputs(rng, B, T, H):
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32), jnp.bfloat16)
+    return dict(q=bf(B, T, H, 128), k=bf(B, T, H, 128), v=bf(B, T, H, 128), g=bf(B, T, H, 128),
+                beta=bf(B, T, H), A_log=jnp.asarray(rng.uniform(0, 1, H), jnp.float32),
+                dt_bias=jnp.asarray(rng.uniform(0, 1, (H, 128)), jnp.float32))
+
+
+def reference(a, **kw):
+    """The fp32 reference under jit (as the API runs it: eager dispatch reassociates nothing,
+    but XLA's fusions may, so both sides are compiled)."""
+    return jax.jit(lambda a, kw: reference_fp32.kda_prefill_reference_fp32(
+        **a, **kw, scale=SCALE, lower_bound=LOWER))(a, kw)
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16, jnp.float32])
+def test_reference_backend_is_the_fp32_reference(state_dtype):
+    rng = np.random.default_rng()
+    a = inputs(rng, 2, 37, 2)
+    kw = {}
+    if state_dtype is not None:
+        kw["initial_state"] = jnp.asarray(rng.standard_normal((2, 2, 128, 128)) * 0.1, state_dtype)
+    out, final = jax_kda.kda_prefill(**a, **kw, output_final_state=True, numerics="fp32",
+                                     backend="reference")
+    want_out, want_final = reference(a, **kw)
+    # no initial state: f32 (the mode's precision); else the initial state's dtype
+    assert final.dtype == (state_dtype or jnp.float32)
+    np.testing.assert_array_equal(bits(out), bits(want_out))
+    np.testing.assert_array_equal(bits(final), bits(want_final.astype(final.dtype)))
+    # and it is not the default mode's arithmetic
+    default_out, _ = jax_kda.kda_prefill(**a, **kw, output_final_state=True, backend="reference")
+    assert not np.array_equal(bits(out), bits(default_out))
+
+
+def test_pool_rows_padding_and_untouched_rows():
+    rng = np.random.default_rng()
+    a = inputs(rng, 3, 20, 2)
+    pool = jnp.asarray(rng.standard_normal((6, 2, 128, 128)) * 0.1, jnp.float32)
+    idx = jnp.asarray([4, -1, 1], jnp.int32)
+    out, new_pool = jax_kda.kda_prefill(**a, initial_state=pool, state_indices=idx,
+                                        output_final_state=True, numerics="fp32",
+                                        backend="reference")
+    want_out, want_final = reference(a, initial_state=pool[jnp.asarray([4, 0, 1])])
+    for n, row in ((0, 4), (2, 1)):
+        np.testing.assert_array_equal(bits(out[n]), bits(want_out[n]))
+        np.testing.assert_array_equal(bits(new_pool[row]), bits(want_final[n]))
+    assert not np.asarray(out[1].astype(jnp.float32)).any()  # padding slot: zero outputs
+    for row in (0, 2, 3, 5):  # rows no sequence owns
+        np.testing.assert_array_equal(bits(new_pool[row]), bits(pool[row]))
+
+
+def test_decode_is_prefill_on_the_tokens():
+    rng = np.random.default_rng()
+    a = inputs(rng, 3, 5, 2)
+    pool = jnp.asarray(rng.standard_normal((4, 2, 128, 128)) * 0.1, jnp.float32)
+    idx = jnp.asarray([2, 0, -1], jnp.int32)
+    out, new_pool = jax_kda.kda_decode(**a, state=pool, state_indices=idx, numerics="fp32",
+                                       backend="reference")
+    want_out, want_pool = jax_kda.kda_prefill(**a, initial_state=pool, state_indices=idx,
+                                              output_final_state=True, numerics="fp32",
+                                              backend="reference")
+    np.testing.assert_array_equal(bits(out), bits(want_out))
+    np.testing.assert_array_equal(bits(new_pool), bits(want_pool))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(numerics="bf16"), "numerics must be one of"),
+    (dict(numerics=None), "numerics must be one of"),
+    (dict(numerics="fp32", inverse="neumann"), "inverse='neumann'"),
+    (dict(numerics="fp32", recurrence="baseline"), "recurrence='baseline'"),
+    (dict(numerics="fp32", checkpoint_every=16), "checkpoint_every"),
+])
+def test_bad_combinations_name_the_argument(bad, message):
+    a = inputs(np.random.default_rng(0), 1, 16, 1)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jax_kda.kda_prefill(**a, **bad)
+
+
+def test_decode_intermediate_states_need_the_default_mode():
+    a = inputs(np.random.default_rng(0), 2, 3, 1)
+    state = jnp.zeros((2, 1, 128, 128), jnp.float32)
+    with pytest.raises(ValueError, match="output_intermediate_states"):
+        jax_kda.kda_decode(**a, state=state, numerics="fp32", output_intermediate_states=True)
+
+
+def _lowered_calls(monkeypatch, numerics, state_dtype=jnp.bfloat16, pooled=False):
+    monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)  # lowering needs no library
+    B, T, H = 2, 40, 3
+    S = jax.ShapeDtypeStruct
+    tok = S((B, T, H, 128), jnp.bfloat16)
+    args = (tok, tok, tok, tok, S((B, T, H), jnp.bfloat16), S((H,), jnp.float32),
+            S((H, 128), jnp.float32), S((5 if pooled else B, H, 128, 128), state_dtype))
+    idx = jnp.asarray([3, 1], jnp.int32) if pooled else None
+
+    def f(q, k, v, g, beta, A_log, dt_bias, state):
+        return jax_kda.kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
+                                   state_indices=idx, output_final_state=True,
+                                   backend="kernel", numerics=numerics)
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return {m.group(1): line for line in text.splitlines()
+            if (m := re.search(r"stablehlo\.custom_call @(\w+)\(", line))}
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_fp32_mode_lowers_to_its_own_calls(monkeypatch, state_dtype, pooled):
+    calls = _lowered_calls(monkeypatch, "fp32", state_dtype, pooled)
+    assert set(calls) == {contract.PREPARE_FP32_TARGET, contract.RECURRENCE_FP32_TARGET}
+    slots = contract.workspace_slots(80, 2)
+    assert f"tensor<3x{slots}x{contract.FP32_RECORD_BYTES}xui8>" in calls[contract.PREPARE_FP32_TARGET]
+    rec = calls[contract.RECURRENCE_FP32_TARGET]
+    assert "tensor<2x3x128x128xf32>" in rec and "bf16" in rec  # f32 states, bf16 v / out
+    assert "2x3x128x128xbf16" not in rec
+    assert re.search(r"block_v = (16|32|64|128) : i32", rec)
+
+
+def test_default_mode_still_lowers_to_the_flashkda_calls(monkeypatch):
+    calls = _lowered_calls(monkeypatch, "flashkda")
+    assert set(calls) == {contract.PREPARE_TARGET, contract.RECURRENCE_TARGET}
+    assert f"x{contract.RECORD_BYTES}xui8" in calls[contract.PREPARE_TARGET]
+
+
+def test_fp32_record_layout_is_aligned_and_fits():
+    offsets = sorted(contract.FP32_RECORD.items(), key=lambda kv: kv[1])
+    sizes = {"gt": 128 * 4, **{k: 16 * 16 * 2 for k in ("inv_hi", "inv_lo", "mqk_hi", "mqk_lo")}}
+    end = 0
+    for name, off in offsets:
+        assert off % 512 == 0 and off >= end, name
+        end = off + sizes.get(name, 16 * 128 * 2)
+    assert end == contract.FP32_RECORD_BYTES == contract.record_bytes("fp32")
+    # the hi tiles keep the bf16 record's offsets
+    assert (contract.FP32_RECORD["kd_hi"], contract.FP32_RECORD["qd_hi"],
+            contract.FP32_RECORD["kr_hi"]) == (contract.KD_OFFSET, contract.QD_OFFSET,
+                                               contract.KR_OFFSET)
+
+
+def test_kernel_path_widens_a_bf16_state_for_the_fp32_recurrence(monkeypatch):
+    """The fp32 recurrence takes and returns f32 states: a bf16 initial state is widened
+    exactly and the result rounded once to the state dtype the caller asked for."""
+    seen = {}
+
+    def fake_recurrence(v, beta, workspace, cu, state0, *, launch, numerics, **_):
+        seen.update(state_dtype=state0.dtype, numerics=numerics, launch=launch)
+        return jnp.zeros(v.shape, jnp.bfloat16), state0 + 1
+    monkeypatch.setattr(jax_kda._ffi, "recurrence_call", fake_recurrence)
+    problem = Problem(batch=1, seqlen=16, heads=2, num_seqs=1, varlen=False,
+                      state_dtype=np.dtype(jnp.bfloat16), scale=SCALE, lower_bound=LOWER,
+                      numerics="fp32")
+    state = jnp.full((1, 2, 128, 128), 0.5, jnp.bfloat16)
+    _, final = _kernel_path.plain_recurrence(
+        jnp.zeros((1, 16, 2, 128), jnp.bfloat16), jnp.zeros((1, 16, 2), jnp.bfloat16), None,
+        jnp.asarray([0, 16], jnp.int32), state, problem=problem,
+        launch=_launch.RecurrenceLaunch("column_split", 32))
+    assert seen["state_dtype"] == jnp.float32 and seen["numerics"] == "fp32"
+    assert final.dtype == jnp.bfloat16 and float(final[0, 0, 0, 0]) == 1.5
