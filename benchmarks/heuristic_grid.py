@@ -61,7 +61,8 @@ def markdown_table(path):
              "|---|---|" + "---|" * (len(kinds) + 2)]
     for (n, h), times in sorted(cells.items()):
         best = min(times, key=times.get)
-        pick = _launch.choose_block_v(num_seqs=n, heads=h, sm_count=data["sm_count"])
+        pick = _launch.choose_block_v(num_seqs=n, heads=h, sm_count=data["sm_count"],
+                                      numerics=data["rows"][0].get("numerics", "flashkda"))
         lines.append(f"| {n} | {h} | " + " | ".join(f"{times[bv]:.0f}" if bv in times else "" for bv in kinds)
                      + f" | {best} | {pick} ({times[pick] / times[best]:.2f}x) |")
     return "\n".join(lines)
@@ -77,6 +78,8 @@ def main():
     p.add_argument("--min-chain-ms", type=float, default=3.0)
     p.add_argument("--out", default="heuristic_grid.json")
     p.add_argument("--with-baseline", action="store_true", help="also time recurrence=\"baseline\"")
+    p.add_argument("--numerics", default="flashkda", choices=("flashkda", "fp32"),
+                   help="the numerics mode whose recurrence is timed (fp32: no baseline kernel)")
     args = p.parse_args()
     if args.markdown:
         print(markdown_table(args.markdown))
@@ -93,13 +96,15 @@ def main():
             case = cases.Case((args.seqlen,) * num_seqs, heads, layout="varlen")
             x = device_inputs(jax.random.key(num_seqs * 1000 + heads), num_seqs, args.seqlen, heads)
             x["cu_seqlens"] = jnp.asarray(case.cu_seqlens(), jnp.int32)
-            auto = _launch.choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sms)
+            auto = _launch.choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sms,
+                                          numerics=args.numerics)
             for block_v in BLOCK_VS + ((BASELINE,) if args.with_baseline else ()):
-                variant = jax_variants.Variant("recurrence", block_v)
+                variant = jax_variants.Variant("recurrence", block_v, numerics=args.numerics)
                 fn, fn_args, feedback, _ = jax_variants.build(variant, case, x, inverse="stable")
                 t = timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=2, inner=2,
                                     min_chain_ms=args.min_chain_ms)
                 rows.append({"num_seqs": num_seqs, "heads": heads, "block_v": block_v,
+                             "numerics": args.numerics,
                              "median_us": t.median_us, "summary": t.summary(), "auto": auto})
                 del fn_args
             best = min((r for r in rows if r["num_seqs"] == num_seqs and r["heads"] == heads),

@@ -47,7 +47,8 @@ def plain_recurrence(v, beta, workspace, cu, state, *, problem: Problem,
     state = (jnp.zeros((N, H, HEAD_DIM, HEAD_DIM), kernel_dtype) if state is None
              else state.astype(kernel_dtype))
     out, final = _ffi.recurrence_call(_flat(v), _flat(beta), workspace, cu, state,
-                                      launch=_launch.resolve(launch, num_seqs=N, heads=H),
+                                      launch=_launch.resolve(launch, num_seqs=N, heads=H,
+                                                             numerics=problem.numerics),
                                       numerics=problem.numerics)
     return out.reshape(v.shape), final.astype(problem.state_dtype)
 
@@ -69,7 +70,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     if cu is None:
         cu = jnp.arange(B + 1, dtype=jnp.int32) * T
     cu = cu.astype(jnp.int32)
-    launch = _launch.resolve(options.launch, num_seqs=N, heads=H)
+    launch = _launch.resolve(options.launch, num_seqs=N, heads=H, numerics=problem.numerics)
     workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem,
                                   inverse=options.inverse)
     if problem.numerics == "fp32" and problem.pool_rows is not None:

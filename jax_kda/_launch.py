@@ -73,12 +73,13 @@ def requested(recurrence: str, column_split) -> RecurrenceLaunch:
 
 
 def resolve(launch: RecurrenceLaunch, *, num_seqs: int, heads: int,
-            sm_count: int | None = None) -> RecurrenceLaunch:
+            sm_count: int | None = None, numerics: str = "flashkda") -> RecurrenceLaunch:
     """`launch` with its column split fixed by the heuristic where the caller left it open."""
     if launch.resolved:
         return launch
     return dataclasses.replace(
-        launch, column_split=choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sm_count))
+        launch, column_split=choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sm_count,
+                                            numerics=numerics))
 
 
 @functools.cache
@@ -96,7 +97,8 @@ def ctas_per_sm(*, tasks: int, block_v: int, sm_count: int) -> int:
     return math.ceil(tasks * (HEAD_DIM // block_v) / sm_count)
 
 
-def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None) -> int:
+def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None,
+                   numerics: str = "flashkda") -> int:
     """The column split the H200 measurement found fastest (within noise) for N * H tasks:
 
     - 16 while no SM has to run more than two of its CTAs (N * H <= SMs / 4, 33 tasks on an
@@ -110,6 +112,19 @@ def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None) ->
     """
     sms = sm_count or gpu_sm_count()
     tasks = num_seqs * heads
+    if numerics == "fp32":
+        return _choose_block_v_fp32(tasks, sms)
     if ctas_per_sm(tasks=tasks, block_v=16, sm_count=sms) <= _MAX_CTAS_PER_SM_AT_16:
         return 16
     return 64
+
+
+def _choose_block_v_fp32(tasks: int, sms: int) -> int:
+    """The fp32 recurrence holds two CTAs per SM at every width (23 KB records, 4 ring stages).
+    The narrowest split whose CTAs fit one such wave wins (the shortest chain per chunk); once
+    not even block_v = 32 fits, 128 shares each chunk's record among the most columns
+    (benchmarks/results/h200-20261201-fp32-grid-1.json)."""
+    for block_v in (16, 32):
+        if ctas_per_sm(tasks=tasks, block_v=block_v, sm_count=sms) <= 2:
+            return block_v
+    return 128

@@ -1,4 +1,8 @@
-"""One KDA prefill at T=8192, 12 heads (Kimi-K3 at TP8), for Nsight Compute."""
+"""One KDA prefill at T=8192, 12 heads (Kimi-K3 at TP8), for Nsight Compute. Environment knobs:
+PROFILE_HEADS (default 12), PROFILE_NUMERICS ("flashkda" | "fp32"), PROFILE_SPLIT (column split,
+default: the launch heuristic)."""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +11,10 @@ import numpy as np
 import jax_kda
 
 rng = np.random.default_rng(0)
-T, H = 8192, 12
+T, H = 8192, int(os.environ.get("PROFILE_HEADS", "12"))
+options = {"numerics": os.environ.get("PROFILE_NUMERICS", "flashkda")}
+if os.environ.get("PROFILE_SPLIT"):
+    options["column_split"] = int(os.environ["PROFILE_SPLIT"])
 
 
 def bf16(*shape):
@@ -18,6 +25,6 @@ args = {"q": bf16(1, T, H, 128), "k": bf16(1, T, H, 128), "v": bf16(1, T, H, 128
         "g": bf16(1, T, H, 128), "beta": bf16(1, T, H),
         "A_log": jnp.asarray(rng.uniform(-2, 1, H), jnp.float32),
         "dt_bias": jnp.asarray(rng.standard_normal((H, 128)), jnp.float32)}
-out, _ = jax.jit(lambda a: jax_kda.kda_prefill(**a, backend="kernel"))(args)
+out, _ = jax.jit(lambda a: jax_kda.kda_prefill(**a, backend="kernel", **options))(args)
 jax.block_until_ready(out)
 print("profiled case ran", out.shape)

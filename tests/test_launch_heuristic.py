@@ -50,3 +50,28 @@ def test_kimi_k3_tensor_parallel_shapes_on_h200():
     # 96 heads at TP 1/2/4/8/16 -> 96/48/24/12/6 heads per GPU, one sequence
     picks = {h: _launch.choose_block_v(num_seqs=1, heads=h, sm_count=132) for h in (96, 48, 24, 12, 6)}
     assert picks == {96: 64, 48: 64, 24: 16, 12: 16, 6: 16}
+
+
+FP32_GRID = GRID.parent / "h200-20261201-fp32-grid-1.json"
+
+
+def test_fp32_choice_is_within_7_percent_of_the_measured_best():
+    """The fp32 mode's recurrence has its own rule (two CTAs per SM at every width), checked
+    against its own grid: one and four sequences of T = 8192, heads 1..96."""
+    data = json.loads(FP32_GRID.read_text())
+    assert {row["numerics"] for row in data["rows"]} == {"fp32"}
+    cells = collections.defaultdict(dict)
+    for row in data["rows"]:
+        cells[(row["num_seqs"], row["heads"])][row["block_v"]] = row["median_us"]
+    assert all(set(c) == {16, 32, 64, 128} for c in cells.values()) and len(cells) >= 18
+    worst = max((times[_launch.choose_block_v(num_seqs=n, heads=h, sm_count=data["sm_count"],
+                                              numerics="fp32")] / min(times.values()), n, h)
+                for (n, h), times in cells.items())
+    assert worst[0] <= 1.07, worst
+
+
+def test_fp32_rule_by_ctas_per_sm():
+    pick = lambda tasks, sms=132: _launch.choose_block_v(num_seqs=1, heads=tasks, sm_count=sms,
+                                                          numerics="fp32")
+    assert [pick(t) for t in (1, 33, 34, 66, 67, 96)] == [16, 16, 32, 32, 128, 128]
+    assert [pick(t, sms=64) for t in (16, 17, 32, 33)] == [16, 32, 32, 128]

@@ -177,7 +177,8 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
     from .. import _checks, _kernel_path, _launch
 
     requested = _launch.requested(*_kda_prefill_launch(variant.block_v))
-    launch = _launch.resolve(requested, num_seqs=case.num_seqs, heads=case.heads)
+    launch = _launch.resolve(requested, num_seqs=case.num_seqs, heads=case.heads,
+                             numerics=variant.numerics)
     info = {"block_v_used": "baseline" if launch.kernel == "baseline" else launch.column_split}
     kernel_choice = ({"recurrence": "baseline"} if launch.kernel == "baseline"
                      else {"column_split": launch.column_split})
