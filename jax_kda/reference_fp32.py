@@ -156,6 +156,20 @@ def _term(spec, a: HiLo, b: HiLo, term):
     return ref._dot(spec, pick[term[0]](a), pick[term[1]](b))
 
 
+def _key_half(x: HiLo, half: int) -> HiLo:
+    """The half of x's last (key) axis that k-blocks 4 * half .. 4 * half + 3 cover."""
+    cut = slice(half * (HEAD_DIM // 2), (half + 1) * (HEAD_DIM // 2))
+    return HiLo(*(None if part is None else part[..., cut] for part in x))
+
+
+def key_halves_product(name, spec, a: HiLo, b: HiLo):
+    """A product over the 128 keys (P, Oq) as the kernels sum it: one mma_product per half of
+    the keys (k-blocks 0-3 and 4-7, each term its own chain), then half 0 + half 1. This is what
+    lets a kernel give the two halves to two warps (or two accumulator chains of one warp)."""
+    return mma_product(name, spec, _key_half(a, 0), _key_half(b, 0)) + mma_product(
+        name, spec, _key_half(a, 1), _key_half(b, 1))
+
+
 def mma_product(name, spec, a: HiLo, b: HiLo):
     """The f32 result of product `name` (a PRODUCT_TERMS key) from its terms, summed hh + (hl + lh).
 
@@ -238,8 +252,8 @@ def prepare_reference_fp32(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound,
 def _chunk_step(state, ws: Fp32Workspace, v, beta):
     """Kernel 2 on one chunk in fp32 mode. state f32 [..., 128 (v), 128 (k)]; returns (state', out)."""
     s = split_hi_lo(state)
-    p = mma_product("P", "...rk,...vk->...rv", ws.kd, s)
-    oq = mma_product("Oq", "...rk,...vk->...rv", ws.qd, s)
+    p = key_halves_product("P", "...rk,...vk->...rv", ws.kd, s)
+    oq = key_halves_product("Oq", "...rk,...vk->...rv", ws.qd, s)
     b = ref.sigmoid_tanh(beta)
     u = split_hi_lo((_f32(v) - p) * b[..., :, None])
     big_u = split_hi_lo(mma_product("U", "...rc,...cv->...rv", ws.inv, u))
