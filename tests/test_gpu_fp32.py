@@ -24,6 +24,7 @@ import pytest
 
 import jax_kda
 from jax_kda import _ffi, contract, oracle, reference_fp32
+from jax_kda.bench import regimes
 from jax_kda.kernels import workspace_layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_gpus")]
@@ -33,26 +34,8 @@ FP32 = {"numerics": "fp32"}
 
 
 def make_inputs(rng, B, T, H, *, law="normal", regime="fla"):
-    """q, k, v by `law` ("normal" N(0,1) / "uniform" U(0,1)); gates by regime
-    (docs/fp32_mode.md section 4): strong, fla, keep32, slow."""
-    def draw(*shape):
-        x = rng.standard_normal(shape) if law == "normal" else rng.uniform(0, 1, shape)
-        return jnp.asarray(x, jnp.bfloat16)
-
-    g = rng.standard_normal((B, T, H, 128))
-    if regime == "strong":
-        A_log, dt_bias, g = rng.uniform(0, 1, H), rng.uniform(0, 1, (H, 128)), 3 * g
-    elif regime == "slow":
-        A_log, dt_bias, g = np.zeros(H), np.zeros((H, 128)), np.full_like(g, -8.0)
-    else:  # fla, keep32
-        A_log, dt_bias = np.log(rng.uniform(1, 16, H)), rng.standard_normal((H, 128))
-        if regime == "keep32":
-            for h in range(H):
-                dt_bias[h, rng.choice(128, 32, replace=False)] = -30.0
-    return dict(q=draw(B, T, H, 128), k=draw(B, T, H, 128), v=draw(B, T, H, 128),
-                g=jnp.asarray(g, jnp.bfloat16),
-                beta=jnp.asarray(rng.standard_normal((B, T, H)), jnp.bfloat16),
-                A_log=jnp.asarray(A_log, jnp.float32), dt_bias=jnp.asarray(dt_bias, jnp.float32))
+    """q, k, v by `law`, gates by `regime` (jax_kda.bench.regimes, docs/fp32_mode.md section 4)."""
+    return regimes.make_inputs(rng, T, H, regime, law, B=B)
 
 
 def random_state(rng, N, H, dtype=jnp.float32, scale=0.1):

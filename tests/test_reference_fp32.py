@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jax_kda import oracle, reference, reference_fp32
+from jax_kda.bench import regimes
 
 D = 128
 SCALE = D**-0.5
@@ -22,36 +23,8 @@ OUT_BOUND = 3.0e-3
 STATE_BOUND = 2.5e-3
 
 
-def _gates(rng, regime, T, H):
-    """(A_log [H], dt_bias [H, D], raw gate g [1, T, H, D]) for one of the documented regimes."""
-    if regime == "strong":  # strong decay
-        return rng.uniform(0, 1, H), rng.uniform(0, 1, (H, D)), 3 * rng.standard_normal((1, T, H, D))
-    if regime == "slow":  # every channel decays slowly
-        return np.zeros(H), np.zeros((H, D)), np.full((1, T, H, D), -8.0)
-    if regime == "collinear":  # no decay at all (sigmoid(~-20) ~ 0); make_inputs repeats one key
-        return np.ones(H), np.full((H, D), -8.0), rng.standard_normal((1, T, H, D))
-    a_log, dt, g = np.log(rng.uniform(1, 16, H)), rng.standard_normal((H, D)), rng.standard_normal((1, T, H, D))
-    if regime == "keep32":  # fla's protocol with a quarter of the key channels never forgetting
-        for h in range(H):
-            dt[h, rng.choice(D, 32, replace=False)] = -30.0
-    return a_log, dt, g
-
-
 def make_inputs(rng, T, H, regime="fla", law="normal"):
-    """bf16 activations [1, T, H, ...] and f32 parameters for one regime; q, k, v ~ N(0,1) or U(0,1)."""
-    B = 1
-    draw = rng.standard_normal if law == "normal" else rng.random
-    a_log, dt, g = _gates(rng, regime, T, H)
-
-    def bf16(x):
-        return jnp.asarray(x, jnp.bfloat16)
-
-    k, beta = draw((B, T, H, D)), rng.standard_normal((B, T, H))
-    if regime == "collinear":  # one key per head for every token and b ~ 1: (I + L) near singular
-        k, beta = np.broadcast_to(draw((1, 1, H, D)), k.shape), np.full(beta.shape, 8.0)
-    return {"q": bf16(draw((B, T, H, D))), "k": bf16(k), "v": bf16(draw((B, T, H, D))),
-            "g": bf16(g), "beta": bf16(beta),
-            "A_log": jnp.asarray(a_log, jnp.float32), "dt_bias": jnp.asarray(dt, jnp.float32)}
+    return regimes.make_inputs(rng, T, H, regime, law)
 
 
 def f32_state(rng, N, H):
@@ -172,7 +145,7 @@ def test_prepare_matches_float64_to_f32_level():
 # --------------------------------------------------------------------------- against the oracle
 
 
-CASES = [("keep32", "normal"), ("slow", "normal"), ("strong", "uniform01"), ("fla", "normal"),
+CASES = [("keep32", "normal"), ("slow", "normal"), ("strong", "uniform"), ("fla", "normal"),
          ("collinear", "normal")]
 
 
