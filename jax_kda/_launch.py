@@ -120,11 +120,13 @@ def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None,
 
 
 def _choose_block_v_fp32(tasks: int, sms: int) -> int:
-    """The fp32 recurrence holds two CTAs per SM at every width (23 KB records, 4 ring stages).
-    The narrowest split whose CTAs fit one such wave wins (the shortest chain per chunk); once
-    not even block_v = 32 fits, 128 shares each chunk's record among the most columns
-    (benchmarks/results/h200-20261201-fp32-grid-1.json)."""
-    for block_v in (16, 32):
-        if ctas_per_sm(tasks=tasks, block_v=block_v, sm_count=sms) <= 2:
-            return block_v
+    """The fp32 recurrence (benchmarks/results/h200-20261201-fp32-grid-2.json): block_v 16 and 32
+    give each 8-column tile to a pair of warps (two CTAs per SM at most), 64 and 128 keep a
+    tile's two key halves in one warp. The shortest chain, 16, wins while its CTAs fit two per
+    SM; then 64 while one of its CTAs per SM suffices (its eight warps share each chunk's record
+    among 64 columns); past that 128, which shares it among the most columns."""
+    if ctas_per_sm(tasks=tasks, block_v=16, sm_count=sms) <= 2:
+        return 16
+    if ctas_per_sm(tasks=tasks, block_v=64, sm_count=sms) <= 1:
+        return 64
     return 128

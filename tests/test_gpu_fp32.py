@@ -6,7 +6,8 @@ kernel vs the float64 oracle, pools and decode.
   and nothing in between is rounded to bf16, so the results agree to f32 level. Bounds: out
   relative RMSE <= 5e-4 with >= 97 % of the elements bit-equal; final state relative RMSE <= 1e-4.
 - the prepare kernel's record vs the reference's prepare, field by field: each hi + lo pair within
-  3e-5 relative RMSE of the reference's value (H200: <= 7.5e-6), >= 99 % of the hi parts bit-equal.
+  3e-5 relative RMSE of the reference's value (H200: <= 7.5e-6), kd (stored without lo) within
+  5e-4, >= 99 % of the hi parts bit-equal.
 - kernel vs kernel: every column split gives the same bits, run to run too; packed sequences equal
   the sequences run alone; a zero-length sequence returns its f32 initial state bit for bit.
 - kernel vs float64 oracle: out <= 3.0e-3 and final state <= 2.5e-3 relative RMSE in the gate
@@ -134,7 +135,9 @@ def test_prepare_record_matches_reference():
             rel, equal = compare(f"seq {n} {field}", got, want_value)
             hi_equal = float(np.mean(decoded[f"{field}_hi"][:, sel]
                                      == np.asarray(pair.hi).view(np.uint16).reshape(got.shape)))
-            assert rel <= 3e-5 and hi_equal >= 0.99, field
+            # hi + lo pairs agree to f32 level; kd (hi only) to bf16 level: a last-bit difference
+            # of e = ex2(G) flips a rounding now and then (H200: 0.07-0.1 % of kd elements)
+            assert rel <= (3e-5 if pair.lo is not None else 5e-4) and hi_equal >= 0.99, field
         got_gt = decoded["gt"][:, sel].astype(np.float64)
         want_gt = np.asarray(want.gt, np.float64).reshape(got_gt.shape)
         assert float(np.max(np.abs(got_gt - want_gt) / np.maximum(np.abs(want_gt), 1e-30))) <= 2e-4

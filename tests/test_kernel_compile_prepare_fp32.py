@@ -1,7 +1,8 @@
 """CPU checks of the fp32 mode's prepare kernel (jax_kda/kernels/prepare_fp32.py): it compiles for
 sm_90a and sm_100a, its PTX/SASS hold the instructions docs/fp32_mode.md's arithmetic relies on
-(three MMA chains per product, f32 .ftz arithmetic, no bf16 arithmetic), with no local memory and
-the shared memory and registers of four CTAs per SM. Needs nvidia-cutlass-dsl (build time only);
+(three MMA chains per product, f32 .ftz arithmetic, no bf16 arithmetic), with no local memory, the
+shared memory and registers of eight CTAs per SM, the record's store forms, and a shared-memory
+plan without overlapping live buffers. Needs nvidia-cutlass-dsl (build time only);
 SASS checks also need cuobjdump (nvidia-cuda-cuobjdump wheel or a CUDA toolkit), and are skipped
 without it.
 """
@@ -29,7 +30,11 @@ MMAS = 6 * 8 * 2
 # an SM's shared memory (sm_90 and sm_100: 228 KB), of which each CTA also takes 1 KB reserved
 # and the DSL's 1 KB of static shared memory
 SM_SHARED_BYTES = 228 * 1024
-CTAS_PER_SM = 4
+CTAS_PER_SM = 8
+# the record's stores: kd_hi, qd hi/lo, kr hi/lo as 2-byte stores (16 rows each, from the column
+# threads), gt as one 4-byte store, INV (2 per lane) and Mqk (2 per lane) as 16-byte stores
+RECORD_B16_STORES = 5 * 16
+RECORD_V4_STORES = 4
 
 
 def _cuobjdump() -> str | None:
@@ -109,8 +114,22 @@ def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, arch):
     assert not re.search(r"\b(add|sub|mul|fma)\.rn(\.ftz)?\.(bf16|f16)", ptx)
     # every non-approx f32 add/mul/fma is the fast-math .ftz form
     assert not re.search(r"\b(add|sub|mul|fma)(\.rn)?\.f32\b", ptx)
-    # 16-byte global accesses (q/k/g loads, record stores)
-    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    # 16-byte global loads of q, k, g (two rows x three tensors a thread)
+    assert len(re.findall(r"ld\.global(\.[a-z]+)*\.v4", ptx)) == 6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptx_record_store_forms(builds, arch):
+    """The record goes straight to global memory: no staging of kd .. gt in shared memory."""
+    ptx, _, _ = builds[arch]
+    assert len(re.findall(r"st\.global(\.[a-z_:0-9]+)*\.b16", ptx)) == RECORD_B16_STORES
+    assert len(re.findall(r"st\.global(\.[a-z_:0-9]+)*\.v4", ptx)) == RECORD_V4_STORES
+    assert len(re.findall(r"st\.global\.(b|f|u)32\b", ptx)) == 1  # gt
+    # the Mqk staging is read back with two 16-byte shared loads per lane
+    assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2
+    # three CTA barriers (after A, inside B, after B) and the launch asks for eight CTAs per SM
+    assert len(re.findall(r"\bbar\.sync\b|barrier\.sync\b", ptx)) == 3
+    assert re.search(rf"\.minnctapersm {CTAS_PER_SM}\b", ptx)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -121,22 +140,75 @@ def test_no_local_memory_in_ptx(builds, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_shared_memory_fits_four_ctas_per_sm(builds, arch):
+def test_shared_memory_fits_eight_ctas_per_sm(builds, arch):
     _, _, host_ir = builds[arch]
     # the launch's dynamic shared memory is the module's SMEM_BYTES
     assert re.search(rf"constant\({prepare_fp32.SMEM_BYTES} : i64\)", host_ir)
+    assert prepare_fp32.CTAS_PER_SM == CTAS_PER_SM
     assert CTAS_PER_SM * (prepare_fp32.SMEM_BYTES + 2048) <= SM_SHARED_BYTES
 
 
 def test_shared_memory_layout_sums_its_allocations():
-    assert prepare_fp32.SMEM_BYTES == 23040 + 6 * 4096 + 16 * 17 * 4 + 32 * 4 + 16 * 4
-    # the raw q, k, g rows fit in the first operand tiles they share bytes with
-    assert len(prepare_fp32.RAW_ROWS) <= len(prepare_fp32.OPERANDS)
+    # operand tiles, row norms of q and k, b (L and the Mqk staging live on dead operand tiles)
+    assert prepare_fp32.SMEM_BYTES == 6 * 4096 + 32 * 4 + 16 * 4
     assert prepare_fp32.RECORD_BYTES == contract.FP32_RECORD_BYTES
-    assert prepare_fp32.RECORD_GRANULES * 16 == contract.FP32_RECORD_BYTES
-    assert prepare_fp32.EARLY_GRANULES * 16 == contract.FP32_RECORD["inv_hi"]
-    # phase D stores the INV and Mqk hi/lo fields with one granule per thread
-    assert prepare_fp32.RECORD_GRANULES - prepare_fp32.EARLY_GRANULES == prepare_fp32.NUM_THREADS
+    # INV and Mqk are 16 x 16 bf16 tiles, hi then lo, as the stores from registers assume
+    rec = contract.FP32_RECORD
+    assert rec["inv_lo"] - rec["inv_hi"] == prepare_fp32.INV_TILE_BYTES == 512
+    assert rec["mqk_lo"] - rec["mqk_hi"] == prepare_fp32.MQK_TILE_BYTES == 512
+    assert rec["mqk_lo"] + 512 == contract.FP32_RECORD_BYTES
+    # warp 1 copies mqk hi + lo with two 16-byte granules per lane
+    assert prepare_fp32.MQK_GRANULES == 2 * 32
+
+
+def _phase_span(entry):
+    phases = prepare_fp32.PHASES
+    _, _, first, last, _ = entry
+    return phases.index(first), phases.index(last)
+
+
+def test_shared_memory_plan_has_no_overlapping_live_buffers():
+    """Two buffers of SMEM_PLAN that share bytes are never live together: their phase spans are
+    disjoint, and where the later one starts inside phase C (no CTA barrier in between, only the
+    owning warp's __syncwarp) both belong to the same single warp."""
+    plan = prepare_fp32.SMEM_PLAN
+    phases = prepare_fp32.PHASES
+    c_first = phases.index("C_PRODUCT")
+    for name, (off, size, first, last, warps) in plan.items():
+        assert size > 0 and off >= 0 and off % 16 == 0, name
+        assert off + size <= prepare_fp32.SMEM_BYTES, name
+        assert phases.index(first) <= phases.index(last), name
+        if phases.index(last) >= c_first and warps is not None:
+            assert set(warps) <= {0, 1}, name
+    names = sorted(plan)
+    overlaps = set()
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            oa, sa, *_, wa = plan[a]
+            ob, sb, *_, wb = plan[b]
+            if oa + sa <= ob or ob + sb <= oa:
+                continue
+            overlaps.add((a, b))
+            (fa, la), (fb, lb) = _phase_span(plan[a]), _phase_span(plan[b])
+            assert la < fb or lb < fa, (a, b)
+            if min(la, lb) >= c_first:
+                # no CTA barrier between them: the same single warp must own both
+                assert wa is not None and wb is not None, (a, b)
+                assert len(set(wa)) == 1 and set(wa) == set(wb), (a, b)
+    # the aliasing the kernel relies on, and no other
+    assert overlaps == {
+        ("kl_hi", "raw_q"),
+        ("l", "raw_q"),
+        ("kl_lo", "raw_k"),
+        ("ql_hi", "raw_g"),
+        ("mqk_stage", "raw_g"),
+        ("kl_hi", "l"),
+        ("mqk_stage", "ql_hi"),
+    }
+    # the operand tiles themselves are disjoint and cover the 24,576 bytes
+    tiles = [plan[n] for n in prepare_fp32.OPERANDS]
+    assert sorted(t[0] for t in tiles) == [i * 4096 for i in range(6)]
+    assert all(t[1] == 4096 for t in tiles)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -156,12 +228,16 @@ def test_sass(builds, arch, tmp_path):
     ).stdout
     assert f"code for {arch}" in sass
     assert len(re.findall(r"HMMA\.16816\.F32\.BF16", sass)) == MMAS
+    # the record's stores (see test_ptx_record_store_forms); nothing else is stored globally
+    assert len(re.findall(r"\bSTG\.E(\.EF)?\.U16\b", sass)) == RECORD_B16_STORES
+    assert len(re.findall(r"\bSTG\.E(\.EF)?\.128\b", sass)) == RECORD_V4_STORES
+    assert len(re.findall(r"\bSTG\b", sass)) == RECORD_B16_STORES + RECORD_V4_STORES + 1
     for op in ("MUFU.EX2", "MUFU.TANH", "MUFU.RSQ", "SHFL.BFLY", "SHFL.IDX"):
         assert op in sass, op
     assert not re.search(r"\b(LDL|STL)\b", sass)
     assert re.search(r"LOCAL:0\b", res), res
     assert re.search(r"STACK:0\b", res), res
-    # four CTAs of 128 threads per SM: at most 128 registers per thread
+    # eight CTAs of 128 threads per SM: at most 64 registers per thread
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     assert regs * prepare_fp32.NUM_THREADS * CTAS_PER_SM <= 65536, res
 

@@ -6,13 +6,18 @@
    the PTX ISA fragment layouts of kernel_sim), bf16 roundings, the hi/lo splits and .ftz f32
    arithmetic emulated in numpy (an MMA: the exact 16-term dot plus C, rounded once to f32).
    * Against a numpy model of the same arithmetic written as matrices (split, 16-wide k-blocks
-     ascending, mma_product's term order): bitwise, for every warp of every block_v, a partial
-     last chunk (rows past the end hold garbage v) and more chunks than ring stages. So the
-     fragment layouts, column ownership, the term sums' order and the k-block order are the
-     model's, and every block_v gives the same bits.
-   * The model against jax_kda.reference_fp32 (the mode's definition; XLA's summation order
-     inside the dots): outputs nearly all bit-equal, final state within ~1e-6 relative RMSE,
-     while dropping any one lo term moves them by ~1e-3 (the check is sensitive to it).
+     ascending, mma_product's term order, P and Oq as two key halves of 64 summed half 0 +
+     half 1): bitwise, for every warp of every block_v and warp layout (the k-split warp pairs
+     of block_v 16 / 32 with their shared-memory exchange and named barriers, the in-warp key
+     halves of 64 / 128 and of the k_split=1 knob), a partial last chunk (rows past the end hold
+     garbage v) and more chunks than ring stages. So the fragment layouts, column and key-half
+     ownership, the term sums' order and the k-block order are the model's, and every block_v
+     gives the same bits. The exchange is checked for races with vector clocks over the barriers
+     (CTA and named): a missing or misplaced barrier fails whatever the thread timing.
+   * The model against jax_kda.reference_fp32 (the mode's definition, key halves included;
+     XLA's summation order inside the dots): outputs nearly all bit-equal, final state within
+     ~1e-6 relative RMSE, while dropping any one lo term moves them by ~1e-3 (the check is
+     sensitive to it).
 2. The stage loader copies the 23,040-byte record, v rows and beta logits (a fake memory with
    bounds checks), nothing past the sequence end.
 3. Compilation of every block_v for sm_90a and sm_100a: the expected MMA / movmatrix counts in the
@@ -83,7 +88,85 @@ class SimtF32(SimtValues):
         "ld_shared_b32",
         "ld_global_f32",
         "st_global_f32",
+        "named_barrier_sync",
+        "st_shared_v4_f32",
+        "ld_shared_v4_f32",
     )
+
+    def __init__(self, smem_bytes, nthreads):
+        super().__init__(smem_bytes, nthreads)
+        # The warp pairs' exchange (4-byte f32 words by byte address), checked for races with
+        # vector clocks: a barrier instance joins its participants' clocks; every read must be
+        # ordered after the write it reads (RAW), every write after the previous write and the
+        # reads of the value it replaces (WAW, WAR), whatever the timing of the threads.
+        self.xmem = {}
+        self.xlast_write = {}  # address -> (tid, its clock)
+        self.xreads = {}  # address -> {tid: clock} since the last write
+        self.vc = [{t: 1} for t in range(nthreads)]
+        self.named = {}  # bar id -> {"tids": arrived, "gen": instances completed, "count"}
+        self.named_cv = self.threading.Condition()
+        self.named_log = []  # (bar id, sorted warps of the completed instance)
+
+    def _join(self, tids):
+        joined = {}
+        for t in tids:
+            for u, c in self.vc[t].items():
+                joined[u] = max(joined.get(u, 0), c)
+        for t in tids:
+            self.vc[t] = dict(joined)
+            self.vc[t][t] += 1
+
+    def _flush_all(self):  # the CTA barrier (all threads)
+        self._join(range(self.nthreads))
+
+    def _ordered(self, tid, other, clock):
+        return other == tid or self.vc[tid].get(other, 0) >= clock
+
+    def named_barrier_sync(self, bar_id, nthreads):
+        bar_id, tid = int(bar_id), self.local.tid
+        assert 1 <= bar_id < 16 and nthreads % 32 == 0
+        with self.named_cv:
+            st = self.named.setdefault(bar_id, {"tids": [], "gen": 0, "count": nthreads})
+            assert st["count"] == nthreads, "one barrier id, two thread counts"
+            st["tids"].append(tid)
+            gen = st["gen"]
+            if len(st["tids"]) == nthreads:
+                warps = sorted({t // 32 for t in st["tids"]})
+                assert len(warps) * 32 == nthreads, warps
+                self.named_log.append((bar_id, tuple(warps)))
+                with self.lock:
+                    self._join(st["tids"])
+                st["tids"], st["gen"] = [], gen + 1
+                self.named_cv.notify_all()
+            else:
+                while st["gen"] == gen:
+                    if self.cta_bar.broken:
+                        raise self.threading.BrokenBarrierError
+                    self.named_cv.wait(timeout=0.2)
+
+    def st_shared_v4_f32(self, addr, values):
+        a, tid = self._s(addr, 16), self.local.tid
+        assert a >= self.xchg_base, "exchange stores only behind the ring"
+        with self.lock:
+            for i, x in enumerate(values):
+                w = self.xlast_write.get(a + 4 * i)
+                assert w is None or self._ordered(tid, *w), f"WAW race at {a + 4 * i}"
+                for u, c in self.xreads.get(a + 4 * i, {}).items():
+                    assert self._ordered(tid, u, c), f"WAR race at {a + 4 * i}"
+                self.xmem[a + 4 * i] = float(x)
+                self.xlast_write[a + 4 * i] = (tid, self.vc[tid][tid])
+                self.xreads[a + 4 * i] = {}
+
+    def ld_shared_v4_f32(self, addr):
+        a, tid = self._s(addr, 16), self.local.tid
+        out = []
+        with self.lock:
+            for i in range(4):
+                w = self.xlast_write.get(a + 4 * i)
+                assert w is not None and self._ordered(tid, *w), f"RAW race at {a + 4 * i}"
+                self.xreads[a + 4 * i][tid] = self.vc[tid][tid]
+                out.append(self.xmem[a + 4 * i])
+        return out
 
     def mma_bf16_16816(self, a, b, c):
         d = super().mma_bf16_16816(a, b, c)
@@ -185,12 +268,24 @@ def _product(a_hi, a_lo, b_hi, b_lo):
     return to_f32(chain(a_hi, b_hi) + to_f32(chain(a_hi, b_lo) + chain(a_lo, b_hi)))
 
 
+def _key_halves_product(a_hi, a_lo, b_hi, b_lo):
+    """A product over the 128 keys (a [M, 128], b [128, N]) as two halves: _product over keys
+    0..63 and 64..127 (k-blocks 0-3, 4-7, each term its own chain from zero), then half 0 +
+    half 1."""
+    def half(x, h, axis):
+        return None if x is None else np.take(x, np.arange(64 * h, 64 * h + 64), axis=axis)
+
+    p0, p1 = (_product(half(a_hi, h, 1), half(a_lo, h, 1), half(b_hi, h, 0), half(b_lo, h, 0))
+              for h in range(2))
+    return to_f32(p0 + p1)
+
+
 def model_chunk(S, w, c, v, b, n_valid):
     """The kernel's arithmetic for one chunk as matrices. S f32 [cols (v), 128 (k)]; w the
     workspace fields; v [16, cols] (values past n_valid ignored); b [16] f32. Returns (S', out)."""
     s_hi, s_lo = split(S)
-    P = _product(w["kd_hi"][c], None, s_hi.T, s_lo.T)
-    Oq = _product(w["qd_hi"][c], w["qd_lo"][c], s_hi.T, s_lo.T)
+    P = _key_halves_product(w["kd_hi"][c], None, s_hi.T, s_lo.T)
+    Oq = _key_halves_product(w["qd_hi"][c], w["qd_lo"][c], s_hi.T, s_lo.T)
     u = to_f32(to_f32(v - P) * b[:, None])
     u[n_valid:] = 0.0
     u_hi, u_lo = split(u)
@@ -233,35 +328,39 @@ def _place_stage(sim, stage, fields, c, v_tile, logits, block_v, row_tok0):
         sim.smem16[(stage + beta_off + 4 * row + ((2 * elem) & 2)) // 2] = logits[row]
 
 
-def _cta(block_v, n_tiles, tid, n_chunks, eos):
-    n_warps, n_tiles = fp32.warp_split(block_v, n_tiles)
-    lane, col_w = tid % 32, (tid // 32) * 8 * n_tiles
+def _cta(block_v, n_tiles, k_split, tid, n_chunks, eos):
+    n_warps, n_tiles, k_split = fp32.warp_layout(block_v, n_tiles, k_split)
+    lane = tid % 32
     col_cta = 128 - block_v  # the last slice
     _, _, stage_bytes = fp32.stage_layout(block_v)
     row_bytes = HEADS * 128 * 2
-    return rec._Cta(
+    cta = rec._Cta(
         n_tiles=n_tiles, block_v=block_v, stage_bytes=stage_bytes, nthreads=32 * n_warps,
         tid=tid, lane=lane, t2=rec.acc_col(lane), head=HEAD, seq=0, num_heads=HEADS,
         bos=T_SHIFT, eos=eos, num_chunks=n_chunks, last_chunk=n_chunks - 1, col_cta=col_cta,
-        col_w=col_w, src=types.SimpleNamespace(
+        col_w=None, src=types.SimpleNamespace(
             v_off=fp32.stage_layout(block_v)[0], beta_off=fp32.stage_layout(block_v)[1],
             block_v=block_v, eos=eos, beta_base=0, num_heads=HEADS, head=HEAD),
-        out_row_bytes=row_bytes,
-        out_lane=[OUT_BASE + (HEAD * 128 + col_cta + col_w + nt * 8 + rec.acc_col(lane)) * 2
-                  for nt in range(n_tiles)],
+        out_row_bytes=row_bytes, out_lane=None,
     )
+    return fp32.warp_role(cta, n_warps, k_split, tid // 32, OUT_BASE + HEAD * 128 * 2,
+                          fp32.STAGES * stage_bytes)
 
 
-def run_cta(block_v, n_tiles, S0, fields, v_rows, logits, n_chunks, n_valid_last, monkeypatch):
+def run_cta(block_v, n_tiles, k_split, S0, fields, v_rows, logits, n_chunks, n_valid_last,
+            monkeypatch, drop_named_barriers=False):
     """The kernel's chunk loop for the last column slice on SimtF32. S0 [128, 128] (v, k);
     v_rows [C, 16, 128] (garbage past the end: the kernel must mask it). Returns (out [C, 16,
-    block_v], NaN where nothing was written; final state slice [block_v, 128])."""
-    n_warps, n_tiles = fp32.warp_split(block_v, n_tiles)
+    block_v], NaN where nothing was written; final state slice [block_v, 128]; the emulator)."""
+    n_warps, n_tiles, k_split = fp32.warp_layout(block_v, n_tiles, k_split)
     _, _, stage_bytes = fp32.stage_layout(block_v)
     col_cta = 128 - block_v
     eos = T_SHIFT + 16 * (n_chunks - 1) + n_valid_last
-    sim = SimtF32(fp32.smem_bytes(block_v), 32 * n_warps)
+    sim = SimtF32(fp32.smem_bytes(block_v, n_tiles, k_split), 32 * n_warps)
+    sim.xchg_base = fp32.STAGES * stage_bytes
     sim.patch(monkeypatch, fp32.ptx)
+    if drop_named_barriers:  # the race check's own test
+        monkeypatch.setattr(fp32.ptx, "named_barrier_sync", lambda bar_id, nthreads: None)
     for j in range(128):
         for k in range(128):
             sim.g[S0_BASE + (j * 128 + k) * 4] = float(S0[j, k])
@@ -280,11 +379,12 @@ def run_cta(block_v, n_tiles, S0, fields, v_rows, logits, n_chunks, n_valid_last
     monkeypatch.setattr(fp32, "_load_stage", fake_load_stage)
 
     def body(tid):
-        cta = _cta(block_v, n_tiles, tid, n_chunks, eos)
+        cta = _cta(block_v, n_tiles, k_split, tid, n_chunks, eos)
         cta.src.tid = tid
-        state = [None] * (32 * n_tiles)
+        state = [None] * (4 * cta.k_tiles * n_tiles)
         regs = fp32._LoopRegs(
             acc=[None] * (4 * fp32.CHAINS * n_tiles),
+            part=[None] * (8 * n_tiles) if k_split == 1 else None,
             ints=[None] * fp32._chain_int_count(n_tiles),
             floats=[None] * fp32.CHAIN_FLOATS,
             n_ints=fp32._chain_int_count(n_tiles),
@@ -314,7 +414,11 @@ def run_cta(block_v, n_tiles, S0, fields, v_rows, logits, n_chunks, n_valid_last
             assert T_SHIFT <= tok < eos and rest // 128 == HEAD and rest % 128 >= col_cta
         else:
             assert ST_BASE + col_cta * 512 <= a < ST_BASE + 128 * 512 and nbytes == 4
-    return out, final
+    # every out element and state element written exactly once
+    outs = [a for a, _ in sim.global_writes if a >= OUT_BASE]
+    states = [a for a, _ in sim.global_writes if a < OUT_BASE]
+    assert len(outs) == len(set(outs)) and len(states) == len(set(states)) == block_v * 128
+    return out, final, sim
 
 
 def _inputs(rng, n_chunks, n_valid_last):
@@ -337,23 +441,43 @@ def _model(fields, logits, valid, S0, v, cols):
     return np.stack(outs), S
 
 
-# (block_v, n-tiles per warp (None: the default split), chunks, valid rows of the last chunk)
-CASES = [(16, None, 1, 16), (16, None, 6, 5), (32, None, 2, 1), (64, None, 1, 9),
-         (128, None, 2, 16), (32, 2, 2, 7)]
+# (block_v, n-tiles per warp, k-split (None, None: the default layout), chunks, valid rows of
+# the last chunk)
+CASES = [(16, None, None, 1, 16), (16, None, None, 6, 5), (32, None, None, 2, 1),
+         (64, None, None, 1, 9), (128, None, None, 2, 16), (32, 2, None, 2, 7),
+         (16, 1, 1, 5, 3)]
 
 
-@pytest.mark.parametrize("block_v,n_tiles,n_chunks,n_valid_last", CASES)
-def test_chunk_loop_on_the_emulator_is_the_model_bitwise(block_v, n_tiles, n_chunks,
+@pytest.mark.parametrize("block_v,n_tiles,k_split,n_chunks,n_valid_last", CASES)
+def test_chunk_loop_on_the_emulator_is_the_model_bitwise(block_v, n_tiles, k_split, n_chunks,
                                                          n_valid_last, monkeypatch):
     rng = np.random.default_rng(1000 * block_v + 10 * n_chunks + n_valid_last)
     _, fields, logits, valid, S0, v = _inputs(rng, n_chunks, n_valid_last)
-    out, final = run_cta(block_v, n_tiles, S0, fields, v, logits, n_chunks, n_valid_last,
-                         monkeypatch)
+    out, final, sim = run_cta(block_v, n_tiles, k_split, S0, fields, v, logits, n_chunks,
+                              n_valid_last, monkeypatch)
+    n_warps, _, ks = fp32.warp_layout(block_v, n_tiles, k_split)
+    if ks == 2:  # two named-barrier instances (P, Oq) per chunk and pair, each of that pair only
+        n_pairs = n_warps // 2
+        want = {(1 + p, (2 * p, 2 * p + 1)) for p in range(n_pairs)}
+        want |= {(1 + n_pairs + p, (2 * p, 2 * p + 1)) for p in range(n_pairs)}
+        assert set(sim.named_log) == want
+        assert len(sim.named_log) == 2 * n_pairs * n_chunks
+    else:
+        assert not sim.named_log
     cols = np.arange(128 - block_v, 128)
     want_out, want_final = _model(fields, logits, valid, S0, v, cols)
     want_out[~valid] = np.nan  # rows past the end are not written
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(final, want_final)
+
+
+def test_emulator_catches_a_missing_pair_barrier(monkeypatch):
+    """Without the named barriers, the partner's P half is read unordered with its write."""
+    rng = np.random.default_rng(7)
+    _, fields, logits, valid, S0, v = _inputs(rng, 1, 16)
+    with pytest.raises(AssertionError, match="RAW race"):
+        run_cta(16, None, None, S0, fields, v, logits, 1, 16, monkeypatch,
+                drop_named_barriers=True)
 
 
 def _rel_rmse(x, ref):
@@ -435,7 +559,7 @@ def test_stage_loader_copies_the_record_v_and_beta(block_v, eos, monkeypatch):
     rng = np.random.default_rng(block_v + eos)
     t_total, heads, head = 37, 3, 2
     bos, slot0, n_slots = 5, 1, 4
-    n_warps, _ = fp32.warp_split(block_v)
+    n_warps, _, _ = fp32.warp_layout(block_v)
     v_off, beta_off, stage_bytes = fp32.stage_layout(block_v)
     col_cta = 128 - block_v
     v = rng.integers(0, 2**16, (t_total, heads, 128), dtype=np.uint16)
@@ -489,50 +613,91 @@ def test_record_offsets_and_stage_layout():
     assert fp32.stage_layout(16)[2] == 23680
 
 
-def test_state_registers_cover_the_warp_columns_once():
-    for bv in contract.COLUMN_SPLITS:
-        n_warps, nt_count = fp32.warp_split(bv)
-        assert 8 * n_warps * nt_count == bv
-        seen = set()
+LAYOUTS = [(bv, None, None) for bv in contract.COLUMN_SPLITS]
+LAYOUTS += [(16, 2, None), (32, 2, None), (64, 2, None), (16, 1, 1), (32, 1, 1)]
+
+
+@pytest.mark.parametrize("block_v,n_tiles,k_split", LAYOUTS)
+def test_state_registers_cover_the_slice_once(block_v, n_tiles, k_split):
+    """Every (value column, key) of the CTA's slice is held by exactly one register of one lane
+    of one warp (warp_role: columns by pair, keys by half)."""
+    n_warps, nt_count, ks = fp32.warp_layout(block_v, n_tiles, k_split)
+    seen = []
+    for warp in range(n_warps):
         for lane in range(32):
-            for mt in range(8):
+            cta = rec._Cta(n_tiles=nt_count, col_cta=0, t2=rec.acc_col(lane), lane=lane, eos=99)
+            fp32.warp_role(cta, n_warps, ks, warp, 0, 1 << 20)
+            regs = set()
+            for mt in range(8 // ks):
                 for nt in range(nt_count):
                     for i in range(4):
-                        k = 16 * mt + rec.acc_row(lane, i // 2)
-                        j = 8 * nt + rec.acc_col(lane) + i % 2
-                        seen.add((j, k, fp32.state_index(mt, nt, i, nt_count)))
-        want = {(j, k) for j in range(8 * nt_count) for k in range(128)}
-        assert {(j, k) for j, k, _ in seen} == want
-        assert len({r for _, _, r in seen}) == 32 * nt_count
+                        k = 16 * (cta.kbase + mt) + rec.acc_row(lane, i // 2)
+                        j = cta.col_w + 8 * nt + rec.acc_col(lane) + i % 2
+                        seen.append((j, k))
+                        regs.add(fp32.state_index(mt, nt, i, nt_count))
+            assert regs == set(range(4 * (8 // ks) * nt_count))
+    assert sorted(seen) == [(j, k) for j in range(block_v) for k in range(128)]
 
 
-def test_warp_split():
-    assert [fp32.warp_split(bv) for bv in contract.COLUMN_SPLITS] == [(2, 1), (4, 1), (8, 1),
+def test_key_half_address_shifts():
+    """A warp of key half 1 reads k-block / k-tile 4 + j of the swizzled tiles and gt at the
+    stage address + kshift / + gshift with the offsets of j (warp_role)."""
+    cta = rec._Cta(n_tiles=1, col_cta=0, t2=0, lane=0, eos=1)
+    fp32.warp_role(cta, 4, 2, 3, 0, 0)
+    assert (cta.kbase, cta.kshift, cta.gshift) == (4, 128, 256)
+    for lane in range(32):
+        for j in range(4):
+            assert common.ldmatrix_a_offset(lane, 4 + j) == 128 + common.ldmatrix_a_offset(lane, j)
+            assert common.ldmatrix_krt_offset(lane, 4 + j) == 128 + common.ldmatrix_krt_offset(
+                lane, j)
+            for half in range(2):
+                r = rec.acc_row(lane, half)
+                assert ((4 + j) * 16 + r) * 4 == 256 + (j * 16 + r) * 4
+
+
+def test_warp_layout():
+    assert [fp32.warp_layout(bv) for bv in contract.COLUMN_SPLITS] == [
+        (4, 1, 2), (8, 1, 2), (8, 1, 1), (8, 2, 1)]
+    assert [fp32.warp_split(bv) for bv in contract.COLUMN_SPLITS] == [(4, 1), (8, 1), (8, 1),
                                                                        (8, 2)]
-    assert fp32.warp_split(64, 2) == (4, 2) and fp32.warp_split(16, 2) == (1, 2)
-    for bad in ((8, None), (128, 1), (64, 4), (16, 3)):
+    assert fp32.warp_layout(64, 2) == (4, 2, 1) and fp32.warp_layout(16, 2) == (1, 2, 1)
+    assert fp32.warp_layout(16, 1, 1) == (2, 1, 1) and fp32.warp_layout(32, 1) == (8, 1, 2)
+    assert fp32.warp_layout(16, k_split=2) == (4, 1, 2)
+    for bad in ((8, None, None), (128, 1, None), (64, 4, None), (16, 3, None), (64, 1, 2),
+                (128, None, 2), (16, 2, 2), (32, 1, 3)):
         with pytest.raises(ValueError):
-            fp32.warp_split(*bad)
+            fp32.warp_layout(*bad)
+    assert fp32.xchg_bytes(16) == 2 * 2048 and fp32.xchg_bytes(32) == 4 * 2048
+    assert fp32.xchg_bytes(64) == fp32.xchg_bytes(128) == fp32.xchg_bytes(16, 1, 1) == 0
 
 
 # every default split on both targets, and the other two-n-tile splits (the benchmark knob)
 COMPILE_CASES = [
-    (bv, None, arch) for arch in ("sm_90a", "sm_100a") for bv in contract.COLUMN_SPLITS
+    (bv, None, None, arch) for arch in ("sm_90a", "sm_100a") for bv in contract.COLUMN_SPLITS
 ]
-COMPILE_CASES += [(bv, 2, "sm_90a") for bv in (16, 32, 64)]
+COMPILE_CASES += [(bv, 2, None, "sm_90a") for bv in (16, 32, 64)]
+COMPILE_CASES += [(bv, 1, 1, "sm_90a") for bv in (16, 32)]
 
 
-@pytest.mark.parametrize("block_v,n_tiles,arch", COMPILE_CASES)
-def test_compiles_without_local_memory(block_v, n_tiles, arch, tmp_path):
-    compiled = fp32.compile_kernel(block_v, arch, n_tiles=n_tiles, dump_dir=str(tmp_path))
+@pytest.mark.parametrize("block_v,n_tiles,k_split,arch", COMPILE_CASES)
+def test_compiles_without_local_memory(block_v, n_tiles, k_split, arch, tmp_path):
+    compiled = fp32.compile_kernel(block_v, arch, n_tiles=n_tiles, k_split=k_split,
+                                   dump_dir=str(tmp_path))
     ptx = compiled.__ptx__
-    _, n_tiles = fp32.warp_split(block_v, n_tiles)
+    _, n_tiles, k_split = fp32.warp_layout(block_v, n_tiles, k_split)
+    kt = 8 // k_split  # k-tiles per warp
     assert f".target {arch}" in ptx
-    # per n-tile: prologue P(0) / Oq(0), 5 chains x 8 k-blocks (40 MMAs, 16 movmatrix of S hi/lo);
-    # loop body (emitted once): U 3 + Mqk.U 3 + W 8 x 3 + P / Oq 40 = 70 MMAs; movmatrix: u 4,
-    # U 4, state 32
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 110 * n_tiles
-    assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") == 72 * n_tiles
+    # per n-tile: prologue P(0) / Oq(0), 5 chains x kt k-blocks (2 kt movmatrix of S hi/lo);
+    # loop body (emitted once): U 3 + Mqk.U 3 + W kt x 3 + P / Oq 5 kt MMAs; movmatrix: u 4,
+    # U 4, state 4 kt. kt = 8: 110 MMAs, 72 movmatrix; kt = 4 (k-split): 58, 40.
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == (
+        (13 * kt + 6) * n_tiles)
+    assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") == (8 * kt + 8) * n_tiles
+    # k-split: the pair's two named barriers per chunk (P and Oq exchange); the P and Oq partials
+    # stored and read once each per chunk
+    assert len(re.findall(r"bar\.sync\s+%r\d+,\s*64;", ptx)) == (2 if k_split == 2 else 0)
+    assert ptx.count("st.shared.v4.f32") == ptx.count("ld.shared.v4.f32") == (
+        2 if k_split == 2 else 0)
     assert ".local" not in ptx
     assert "sub.rn.ftz.f32" in ptx and "fma.rn.ftz.f32" in ptx and "tanh.approx.f32" in ptx
     cuobjdump = cuda_tool("cuobjdump")
@@ -544,7 +709,7 @@ def test_compiles_without_local_memory(block_v, n_tiles, arch, tmp_path):
     assert "LOCAL:0" in res and "STACK:0" in res, res
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     assert regs <= 255
-    print(f"fp32 recurrence bv{block_v} x{n_tiles} {arch}: REG {regs}")
+    print(f"fp32 recurrence bv{block_v} x{n_tiles} k{k_split} {arch}: REG {regs}")
     sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
                           check=True).stdout
     if sass.strip():

@@ -4,8 +4,9 @@ DSL.
 Same grid, operands and chunk bookkeeping as the bf16 mode's prepare (prepare.py): one CTA of 128
 threads per (chunk slot, head); the CTA finds its sequence by a binary search over cu_seqlens,
 exits when the slot belongs to no chunk, treats rows past the sequence end as zero tokens, and
-writes one 23,040-byte record (contract.FP32_RECORD; docs/fp32_mode.md section 3). The record is
-staged byte-exact in shared memory (swizzled rows included) and copied out in 16-byte granules.
+writes one 23,040-byte record (contract.FP32_RECORD; docs/fp32_mode.md section 3). The record
+is not staged as a whole: each field goes to global memory as soon as it is final (below), byte for
+byte what the record layout asks (swizzled rows included).
 Nothing between the bf16 inputs and the record's hi/lo pairs is rounded to bf16.
 
 Work split (step numbers are those of docs/fp32_mode.md, section 1):
@@ -16,34 +17,41 @@ Work split (step numbers are those of docs/fp32_mode.md, section 1):
      goes to shared memory next to the raw bf16 q, k, g rows. Threads 0-15: step 4,
      b = sigmoid(beta) (0 on rows past the end, whose L row is zero anyway).
   B. Thread d owns column d: step 2 (gate and its sequential f32 running sum G_r over the rows,
-     prepare.py's loop), step 1's products q * inv, k * inv (f32), step 3's decays and decayed
-     operands, each with the reference's association. Their splits go to the record (kd_hi,
-     qd hi/lo, kr hi/lo, gt) and to six operand tiles (kL, qL, kiL hi/lo) that overwrite the
-     raw rows once every thread has read its column.
+     prepare.py's loop); the column's raw q, k go to registers (two bf16 a register), then a
+     barrier, then per row step 1's products q * inv, k * inv (f32), step 3's decays and decayed
+     operands, each with the reference's association. The record's fields kd_hi, qd hi/lo,
+     kr hi/lo and gt are stored straight to global memory as they are formed (a warp's 32
+     columns of a row are 64 contiguous bytes of the swizzled row: two full sectors), so these
+     20,992 bytes stream out while phase B computes and phase C runs; the six operand tiles
+     (kL, qL, kiL hi/lo) go to shared memory over the raw rows.
   C. Step 5: warp 0 forms L = strict(kL . kiL^T) * b_r, warp 1 Mqk = causal(qL . kiL^T); each
      product is three chains of mma.sync m16n8k16 (hh = a_hi.b_hi, hl = a_hi.b_lo,
      lh = a_lo.b_hi; each from zero, k-blocks ascending) summed hh + (hl + lh) in f32. Warp 0
-     then runs step 6, the forward substitution over the whole 16x16 (lane i holds row i of
-     `inv` in registers, the pivot row s arrives by shuffles from lane s), adds the unit
-     diagonal (adding 0.0 elsewhere turns the -0 entries of the substitution into +0, as the
-     reference's `inv + I` does) and splits INV; warp 1 splits Mqk. Warps 2-3 meanwhile store
-     the record up to gt.
-  D. All threads store split(INV) and split(Mqk) (128 granules).
+     stages L on its dead kl_hi tile, runs step 6, the forward substitution over the whole 16x16
+     (lane i holds row i of `inv` in registers, the pivot row s arrives by shuffles from lane s),
+     adds the unit diagonal (adding 0.0 elsewhere turns the -0 entries of the substitution into
+     +0, as the reference's `inv + I` does), splits INV and stores it from registers (lanes 0-15
+     the hi rows, lanes 16-31 the lo rows, 16-byte stores); warp 1 splits Mqk onto its dead ql_hi
+     tile and copies it out in 16-byte granules. Warps 2-3 are done after phase B; there is no
+     barrier after phase C.
 
 Splits (docs/fp32_mode.md, `reference_fp32.split_hi_lo`): hi = cvt.rn.bf16(x); lo =
-cvt.rn.bf16(x + (-f32(hi))) with add.rn.ftz: the difference is exact, a subnormal one becomes a
-zero of its sign (the reference's `_ftz`). All f32 arithmetic is the pinned .ftz form of ptx.py.
+cvt.rn.bf16(x - f32(hi)) with sub.rn.ftz (bit for bit x + (-f32(hi)) with add.rn.ftz, one
+instruction fewer): the difference is exact, a subnormal one becomes a zero of its sign (the
+reference's `_ftz`). All f32 arithmetic is the pinned .ftz form of ptx.py.
+(INV's pairs are rounded by cvt.rn.bf16x2.f32, the same rounding two at a time.)
 
-Shared memory: the record (23,040 bytes), the six operand tiles (24,576 bytes, the first three of
-them hold the raw q, k, g rows during phases A-B), L in f32 (16 rows of 17 floats) and 48 floats:
-48,896 bytes per CTA, so four CTAs per SM on sm_90a and sm_100a; 72 registers or fewer per thread.
+Shared memory (SMEM_PLAN): the six operand tiles (24,576 bytes; the raw q, k, g rows of phases
+A-B on the first three, L and the Mqk staging on kl_hi and ql_hi in phase C), the row norms and b:
+24,768 bytes per CTA; with the launch's minimum of 8 CTAs per SM, 64 registers or fewer per
+thread, so eight CTAs (32 warps) per SM on sm_90a and sm_100a.
 """
 
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float32, Int32, Uint8, Uint32, cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint16, Uint32, cute
 from cutlass.memory import SmemAllocator
 
 from .. import contract
@@ -69,9 +77,12 @@ from .ptx import (
     ffma,
     fmul,
     fneg,
+    fsub,
     gate_scale_from_lower_bound,
+    pack_bf16x2_i32,
     rsqrt_approx,
     sigmoid,
+    st_global_v4,
 )
 from .recurrence_common import sequence_start
 
@@ -87,14 +98,36 @@ L_ROW_STRIDE = CHUNK + 1  # floats per row of L in shared memory
 # A-B occupy the bytes of the first three (RAW_ROWS) until phase B has read them.
 OPERANDS = ("kl_hi", "kl_lo", "ql_hi", "ql_lo", "kil_hi", "kil_lo")
 RAW_ROWS = ("q", "k", "g")
-# Dynamic shared memory per CTA (the allocations of KdaPrepareFp32._shared_memory, in order; each
-# starts aligned): record, operand tiles, L, the row norms of q and k, b.
-SMEM_BYTES = (
-    RECORD_BYTES + len(OPERANDS) * TILE_BYTES + CHUNK * L_ROW_STRIDE * 4 + 2 * CHUNK * 4 + CHUNK * 4
-)
-# Record granules stored during phase C (kd_hi .. gt) and the ones stored after it (INV, Mqk).
-EARLY_GRANULES = RECORD["inv_hi"] // 16
-RECORD_GRANULES = RECORD_BYTES // 16
+MQK_TILE_BYTES = CHUNK * CHUNK * 2
+INV_TILE_BYTES = CHUNK * CHUNK * 2
+MQK_GRANULES = 2 * MQK_TILE_BYTES // 16  # mqk_hi and mqk_lo: 64 granules, 2 per lane of warp 1
+# Phases of the kernel, in order; a CTA barrier ends A, B_READ and B_WRITE. C runs on warps 0
+# (L, INV) and 1 (Mqk) independently: C_PRODUCT is a warp's MMA chains, C_AFTER what the same warp
+# does after a __syncwarp that follows its product.
+PHASES = ("A", "B_READ", "B_WRITE", "C_PRODUCT", "C_AFTER")
+# The shared-memory plan: name -> (byte offset, bytes, first phase, last phase, warps or None for
+# all). Two entries may share bytes only if their phases are disjoint and, where the later one
+# starts inside C, both belong to that one warp (tests/test_kernel_compile_prepare_fp32.py).
+SMEM_PLAN = {
+    **{
+        f"raw_{name}": (i * TILE_BYTES, TILE_BYTES, "A", "B_READ", None)
+        for i, name in enumerate(RAW_ROWS)
+    },
+    "kl_hi": (0 * TILE_BYTES, TILE_BYTES, "B_WRITE", "C_PRODUCT", (0,)),
+    "kl_lo": (1 * TILE_BYTES, TILE_BYTES, "B_WRITE", "C_PRODUCT", (0,)),
+    "ql_hi": (2 * TILE_BYTES, TILE_BYTES, "B_WRITE", "C_PRODUCT", (1,)),
+    "ql_lo": (3 * TILE_BYTES, TILE_BYTES, "B_WRITE", "C_PRODUCT", (1,)),
+    "kil_hi": (4 * TILE_BYTES, TILE_BYTES, "B_WRITE", "C_PRODUCT", (0, 1)),
+    "kil_lo": (5 * TILE_BYTES, TILE_BYTES, "B_WRITE", "C_PRODUCT", (0, 1)),
+    "l": (0 * TILE_BYTES, CHUNK * L_ROW_STRIDE * 4, "C_AFTER", "C_AFTER", (0,)),
+    "mqk_stage": (2 * TILE_BYTES, 2 * MQK_TILE_BYTES, "C_AFTER", "C_AFTER", (1,)),
+    "rnorm": (len(OPERANDS) * TILE_BYTES, 2 * CHUNK * 4, "A", "B_WRITE", None),
+    "b": (len(OPERANDS) * TILE_BYTES + 2 * CHUNK * 4, CHUNK * 4, "A", "C_AFTER", None),
+}
+# Dynamic shared memory per CTA: the allocations of KdaPrepareFp32._shared_memory (operand tiles,
+# row norms, b; each 16-byte aligned, so they end where SMEM_PLAN's last entry ends).
+SMEM_BYTES = max(off + size for off, size, *_ in SMEM_PLAN.values())
+CTAS_PER_SM = 8  # 8 x (24,768 + 2 KB reserved / static) <= 228 KB, 8 x 128 x 64 registers
 
 
 class KdaPrepareFp32:
@@ -132,6 +165,10 @@ class KdaPrepareFp32:
             grid=(num_slots, num_heads, 1),
             block=(NUM_THREADS, 1, 1),
             stream=stream,
+            # registers for CTAS_PER_SM CTAs (<= 64 a thread); the carveout hint asks for the
+            # largest shared-memory configuration (given here, the DSL would otherwise ask a GPU)
+            min_blocks_per_mp=CTAS_PER_SM,
+            preferred_smem_carveout=100,
         )
 
     # ------------------------------------------------------------------ device
@@ -163,6 +200,8 @@ class KdaPrepareFp32:
             dt = mDtBias[head, tid]
             a_log = mALog[head]
             sm = self._shared_memory()
+            g_rec = mWorkspace[head, slot, None]
+            gm = _global_record(g_rec)
 
             # ---- A. row norms, raw rows and b to shared memory
             self._stage_rows(raw, sm, n_valid, tid)
@@ -174,23 +213,16 @@ class KdaPrepareFp32:
                 s_b[tid] = b
             cute.arch.sync_threads()
 
-            # ---- B. thread = column: gates, decays, splits
-            self._column(sm, tid, a_log, dt, n_valid, scale, lower_bound)
+            # ---- B. thread = column: gates, decays, splits; the record's kd_hi .. gt straight
+            # to global memory, the operand tiles to shared memory
+            self._column(sm, gm, tid, a_log, dt, n_valid, scale, lower_bound)
             cute.arch.sync_threads()
 
-            # ---- C. warp 0: L and INV, warp 1: Mqk, warps 2-3: store kd_hi .. gt
-            g_rec = mWorkspace[head, slot, None]
-            s_rec_t = cute.make_tensor(sm.rec, cute.make_layout(RECORD_BYTES))
+            # ---- C. warp 0: L and INV, warp 1: Mqk (each stores its own fields); warps 2-3 done
             if warp_idx == 0:
-                self._inverse(sm, lane)
+                self._inverse(sm, g_rec, lane)
             if warp_idx == 1:
-                self._mqk(sm, lane)
-            if warp_idx >= 2:
-                _copy_granules(s_rec_t, g_rec, tid - 64, 64, 0, EARLY_GRANULES)
-            cute.arch.sync_threads()
-
-            # ---- D. INV and Mqk hi/lo (128 granules) -> global
-            _copy_granules(s_rec_t, g_rec, tid, NUM_THREADS, EARLY_GRANULES, RECORD_GRANULES)
+                self._mqk(sm, gm, lane)
 
     # ------------------------------------------------------------ phases
     @cute.jit
@@ -213,17 +245,12 @@ class KdaPrepareFp32:
         return raw
 
     def _shared_memory(self):
-        """The CTA's shared memory (trace time): the staged record with its fields, the operand
-        tiles (raw rows aliased on the first three), L, the row norms and b."""
+        """The CTA's shared memory (trace time, SMEM_PLAN): the operand tiles (raw rows aliased on
+        the first three during phases A-B; L on kl_hi and the Mqk staging on ql_hi in phase C),
+        the row norms and b."""
         smem = SmemAllocator()
-        s_rec = smem.allocate_array(Uint8, RECORD_BYTES, byte_alignment=128)
         s_ops = smem.allocate_array(Uint8, len(OPERANDS) * TILE_BYTES, byte_alignment=128)
-        sm = _Smem(rec=s_rec)
-        for name in ("kd_hi", "qd_hi", "qd_lo", "kr_hi", "kr_lo"):
-            setattr(sm, name, _carve(s_rec, RECORD[name], BFloat16, _swizzled_tile_layout()))
-        sm.gt = _carve(s_rec, RECORD["gt"], Float32, cute.make_layout(D))
-        for name in ("inv_hi", "inv_lo", "mqk_hi", "mqk_lo"):
-            setattr(sm, name, _carve(s_rec, RECORD[name], BFloat16, _row_major(CHUNK, CHUNK)))
+        sm = _Smem(ops=s_ops)
         for i, name in enumerate(OPERANDS):
             setattr(sm, name, _carve(s_ops, i * TILE_BYTES, BFloat16, _swizzled_tile_layout()))
         sm.raw = [
@@ -231,9 +258,15 @@ class KdaPrepareFp32:
             for i in range(len(RAW_ROWS))
         ]
         # rows padded to 17 floats: lane i reading row i hits bank (17 i + p) % 32, no conflict
-        sm.l = smem.allocate_tensor(
-            Float32, cute.make_layout((CHUNK, CHUNK), stride=(L_ROW_STRIDE, 1)), byte_alignment=16
+        sm.l = cute.make_tensor(
+            cute.recast_ptr(s_ops + SMEM_PLAN["l"][0], dtype=Float32),
+            cute.make_layout((CHUNK, CHUNK), stride=(L_ROW_STRIDE, 1)),
         )
+        # Mqk hi/lo staged row-major, laid out as in the record (mqk_lo right after mqk_hi)
+        sm.mqk_stage = s_ops + SMEM_PLAN["mqk_stage"][0]
+        sm.mqk_stage_bytes = cute.make_tensor(sm.mqk_stage, cute.make_layout(2 * MQK_TILE_BYTES))
+        sm.mqk_hi = _carve(sm.mqk_stage, 0, BFloat16, _row_major(CHUNK, CHUNK))
+        sm.mqk_lo = _carve(sm.mqk_stage, MQK_TILE_BYTES, BFloat16, _row_major(CHUNK, CHUNK))
         # 1 / |x| of each row: [0, r] for q, [1, r] for k
         sm.rnorm = smem.allocate_tensor(
             Float32, cute.make_layout((2, CHUNK), stride=(CHUNK, 1)), byte_alignment=16
@@ -261,11 +294,13 @@ class KdaPrepareFp32:
 
     @cute.jit
     def _column(
-        self, sm, col: Int32, a_log: Float32, dt: Float32, n_valid: Int32, scale: Float32,
+        self, sm, gm, col: Int32, a_log: Float32, dt: Float32, n_valid: Int32, scale: Float32,
         lower_bound: Float32,
     ):
         """B: column `col` of every row: G_r (step 2), q and k normalised in f32 (step 1), the
-        decays and decayed operands (step 3), split into the record and the operand tiles."""
+        decays and decayed operands (step 3), split into the record (global memory: each warp
+        stores 64 contiguous bytes of a row per field, two full 32-byte sectors) and the operand
+        tiles (shared memory)."""
         s_q, s_k, s_g = sm.raw
         # step 2, prepare.py's loop: gate in f32, running sum over the rows, 0 past the end
         a_exp = ex2_approx(fmul(a_log, Float32(LOG2E)))
@@ -279,51 +314,63 @@ class KdaPrepareFp32:
                 gate = Float32(0.0)
             total = fadd(total, gate)
             cum[r] = total
-        qn = cute.make_rmem_tensor((CHUNK,), Float32)
-        kn = cute.make_rmem_tensor((CHUNK,), Float32)
-        for r in cutlass.range_constexpr(CHUNK):
-            qn[r] = fmul(bf16_to_f32(s_q[r, col]), sm.rnorm[0, r])
-            kn[r] = fmul(bf16_to_f32(s_k[r, col]), sm.rnorm[1, r])
+        # the raw q, k of the column, two rows per register (r low, r + 8 high): 16 registers
+        # instead of 32 f32 ones; q * inv and k * inv are formed below, the same products
+        qk = cute.make_rmem_tensor((2, CHUNK // 2), Uint32)
+        for which in cutlass.range_constexpr(2):
+            s_x = cute.recast_tensor(sm.raw[which], Uint16)
+            for r in cutlass.range_constexpr(CHUNK // 2):
+                qk[which, r] = Uint32(s_x[r, col]) | (Uint32(s_x[r + CHUNK // 2, col]) << 16)
         # every column is in registers: the operand tiles may now overwrite the raw rows
         cute.arch.sync_threads()
 
         gt = ex2_approx(cum[CHUNK - 1])
-        sm.gt[col] = gt
+        gm.gt[col] = gt
         up = ex2_approx(fneg(cum[REF_ROW]))  # 2^-G_7
         down = ex2_approx(cum[REF_ROW])  # 2^G_7
         for r in cutlass.range_constexpr(CHUNK):
+            qn = _row_value(qk, sm.rnorm, 0, r)
+            kn = _row_value(qk, sm.rnorm, 1, r)
             e = ex2_approx(cum[r])
             ei = ex2_approx(fneg(cum[r]))
             # the recurrence's operands
-            sm.kd_hi[r, col] = f32_to_bf16(fmul(kn[r], e))
-            _store_split(sm.qd_hi, sm.qd_lo, r, col, fmul(fmul(qn[r], e), scale))
-            _store_split(sm.kr_hi, sm.kr_lo, r, col, fmul(kn[r], fmul(ei, gt)))
+            gm.kd_hi[r, col] = f32_to_bf16(fmul(kn, e))
+            _store_split(gm.qd_hi, gm.qd_lo, r, col, fmul(fmul(qn, e), scale))
+            _store_split(gm.kr_hi, gm.kr_lo, r, col, fmul(kn, fmul(ei, gt)))
             # step 5's operands, decayed relative to row 7
             rel = fmul(e, up)
-            _store_split(sm.kl_hi, sm.kl_lo, r, col, fmul(kn[r], rel))
-            _store_split(sm.ql_hi, sm.ql_lo, r, col, fmul(fmul(qn[r], rel), scale))
-            _store_split(sm.kil_hi, sm.kil_lo, r, col, fmul(kn[r], fmul(ei, down)))
+            _store_split(sm.kl_hi, sm.kl_lo, r, col, fmul(kn, rel))
+            _store_split(sm.ql_hi, sm.ql_lo, r, col, fmul(fmul(qn, rel), scale))
+            _store_split(sm.kil_hi, sm.kil_lo, r, col, fmul(kn, fmul(ei, down)))
 
     @cute.jit
-    def _mqk(self, sm, lane: Int32):
-        """C, warp 1: Mqk = causal(qL . kiL^T) (diagonal kept), split into the record."""
+    def _mqk(self, sm, gm, lane: Int32):
+        """C, warp 1: Mqk = causal(qL . kiL^T) (diagonal kept), split, staged on the dead ql_hi
+        tile and stored (2 granules per lane, mqk_hi then mqk_lo)."""
         mma = _WarpMma(_tiled_mma_bf16(), lane)
         coords = mma.coords
         acc = _three_term_product(mma, sm.ql_hi, sm.ql_lo, sm.kil_hi, sm.kil_lo)
+        # every lane's reads of ql_hi are done before any lane overwrites it
+        cute.arch.sync_warp()
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = coords[i]
             v = acc[i]
             if r < c:
                 v = Float32(0.0)
             _store_split(sm.mqk_hi, sm.mqk_lo, r, c, v)
+        cute.arch.sync_warp()
+        _copy_granules(sm.mqk_stage_bytes, gm.mqk_bytes, lane, 32, 0, MQK_GRANULES)
 
     @cute.jit
-    def _inverse(self, sm, lane: Int32):
-        """C, warp 0: L = strict(kL . kiL^T) * b_r (step 5), INV = (I + L)^-1 (step 6), split
-        into the record."""
+    def _inverse(self, sm, g_rec: cute.Tensor, lane: Int32):
+        """C, warp 0: L = strict(kL . kiL^T) * b_r (step 5, staged on the dead kl_hi tile),
+        INV = (I + L)^-1 (step 6), split and stored from registers: lane i < 16 writes row i of
+        inv_hi, lane i + 16 row i of inv_lo (32 bytes each, two 16-byte stores)."""
         mma = _WarpMma(_tiled_mma_bf16(), lane)
         coords = mma.coords
         acc = _three_term_product(mma, sm.kl_hi, sm.kl_lo, sm.kil_hi, sm.kil_lo)
+        # every lane's reads of kl_hi are done before any lane overwrites it
+        cute.arch.sync_warp()
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = coords[i]
             v = fmul(acc[i], sm.b[r])
@@ -347,12 +394,29 @@ class KdaPrepareFp32:
                     inv[p] = updated
             if row > s:
                 inv[s] = neg
-        if lane < CHUNK:
-            for c in cutlass.range_constexpr(CHUNK):
+        # hi words on lanes 0-15, lo words on lanes 16-31; pack_bf16x2 rounds as f32_to_bf16
+        words = cute.make_rmem_tensor((CHUNK // 2,), Int32)
+        for w in cutlass.range_constexpr(CHUNK // 2):
+            pair = []
+            for j in cutlass.range_constexpr(2):
+                c = 2 * w + j
                 unit = Float32(0.0)
                 if row == c:
                     unit = Float32(1.0)
-                _store_split(sm.inv_hi, sm.inv_lo, row, c, fadd(inv[c], unit))
+                x = fadd(inv[c], unit)
+                lo = fsub(x, bf16_to_f32(f32_to_bf16(x)))
+                if lane >= CHUNK:
+                    x = lo
+                pair.append(x)
+            words[w] = pack_bf16x2_i32(pair[0], pair[1])
+        addr = (
+            g_rec.iterator.toint()
+            + RECORD["inv_hi"]
+            + Int64(lane // CHUNK) * INV_TILE_BYTES
+            + Int64(row) * (CHUNK * 2)
+        )
+        st_global_v4(addr, [words[0], words[1], words[2], words[3]])
+        st_global_v4(addr + 16, [words[4], words[5], words[6], words[7]])
 
 
 # ------------------------------------------------------------------ helpers
@@ -382,6 +446,17 @@ def _locate_chunk(mCuSeqlens: cute.Tensor, slot: Int32, t_total: Int32):
     return active, row0, cutlass.min(eos - row0, CHUNK)
 
 
+def _global_record(g_rec: cute.Tensor):
+    """The record's fields as global-memory tensors of the CTA's 23,040-byte record `g_rec`."""
+    base = g_rec.iterator
+    gm = _Smem()
+    for name in ("kd_hi", "qd_hi", "qd_lo", "kr_hi", "kr_lo"):
+        setattr(gm, name, _carve(base, RECORD[name], BFloat16, _swizzled_tile_layout()))
+    gm.gt = _carve(base, RECORD["gt"], Float32, cute.make_layout(D))
+    gm.mqk_bytes = cute.make_tensor(base + RECORD["mqk_hi"], cute.make_layout(2 * MQK_TILE_BYTES))
+    return gm
+
+
 class _Smem:
     """The CTA's shared-memory tensors (a trace-time bag)."""
 
@@ -406,12 +481,23 @@ def _inverse_norm(frag: cute.Tensor) -> Float32:
 
 
 @cute.jit
+def _row_value(qk: cute.Tensor, s_rnorm: cute.Tensor, which: int, r: int) -> Float32:
+    """Step 1's x * inv of row r (q: which = 0, k: 1) from the packed raw column."""
+    w = qk[which, r % (CHUNK // 2)]
+    if cutlass.const_expr(r < CHUNK // 2):
+        raw = bf16x2_lo_to_f32(w)
+    else:
+        raw = bf16x2_hi_to_f32(w)
+    return fmul(raw, s_rnorm[which, r])
+
+
+@cute.jit
 def _store_split(s_hi: cute.Tensor, s_lo: cute.Tensor, r, c, x: Float32):
     """split(x): hi = bf16(x), lo = bf16(x - f32(hi)) (exact difference, .ftz: a subnormal
     difference is a zero of its sign), stored at (r, c) of two bf16 tiles."""
     hi = f32_to_bf16(x)
     s_hi[r, c] = hi
-    s_lo[r, c] = f32_to_bf16(fadd(x, fneg(bf16_to_f32(hi))))
+    s_lo[r, c] = f32_to_bf16(fsub(x, bf16_to_f32(hi)))
 
 
 @cute.jit

@@ -1026,3 +1026,49 @@ def st_global_f32(gmem_addr, value, *, loc=None, ip=None):
         loc,
         ip,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Warp-pair exchange (recurrence_fp32's k-split): named barriers, 16-byte f32 shared accesses
+# ----------------------------------------------------------------------------------------------
+@dsl_user_op
+def named_barrier_sync(bar_id, nthreads: int, *, loc=None, ip=None):
+    """bar.sync bar_id, nthreads (bar_id a register, 1..15; nthreads a multiple of 32): waits
+    until nthreads threads arrived; orders the shared accesses of the participants (what they
+    stored before it is visible to all of them after it)."""
+    _store([_i32(bar_id, loc, ip)], f"bar.sync $1, {int(nthreads)};", "r", loc, ip)
+
+
+@dsl_user_op
+def st_shared_v4_f32(smem_addr, values, *, loc=None, ip=None):
+    """Four f32 (their bits as they are) to 16 bytes of shared memory."""
+    _store(
+        [_i32(smem_addr, loc, ip)] + [_f32(x, loc, ip) for x in values],
+        "st.shared.v4.f32 [$1], {$2, $3, $4, $5};",
+        "r,f,f,f,f",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def ld_shared_v4_f32(smem_addr, *, loc=None, ip=None):
+    """Four f32 from 16 bytes of shared memory (ordered against the other memory asm)."""
+    res = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [_i32(smem_addr, loc, ip)],
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,r,~{memory}",
+        loc,
+        ip,
+        side_effects=True,
+    )
+    return _unpack(res, T.f32(), 4, Float32)
+
+
+@dsl_user_op
+def fsub(a, b, *, loc=None, ip=None) -> Float32:
+    """a - b (sub.rn.ftz.f32): the same operation as fadd(a, fneg(b)) bit for bit (IEEE defines
+    a - b as a + (-b); .ftz flushes b or -b to a zero of the same sign either way), without the
+    sign-flip instruction (the SASS FADD takes the negated operand)."""
+    return _f32_binary("sub.rn.ftz.f32 $0, $1, $2;", a, b, loc, ip)
