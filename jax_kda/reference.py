@@ -312,12 +312,14 @@ def _neumann_inverse(kd_s, ki, b):
     return _store_bf16(inv)
 
 
-def gate_cumsum(g, A_log, dt_bias, lower_bound, valid):
+def gate_cumsum(g, A_log, dt_bias, lower_bound, valid, sigmoid=None):
     """Prepare step 2 (docs/numerics.md): G_r, the f32 running sum of the log2 gates, [..., 16, 128].
 
     gate = lower_bound log2(e) * sigmoid((g + dt_bias) * 2^(A_log log2 e)), 0 on invalid rows.
-    Shared with the fp32 mode (reference_fp32), whose gates are the same.
+    Shared with the fp32 mode (reference_fp32), which passes its own sigmoid (default: the
+    tanh.approx form, sigmoid_tanh).
     """
+    sigmoid = sigmoid_tanh if sigmoid is None else sigmoid
     # Behind a barrier: where A_log / dt_bias are compile-time constants XLA would fold this math
     # with its constant evaluator, whose exp2 / tanh bits differ from compiled code.
     A_log, dt_bias = lax.optimization_barrier((_f32(A_log), _f32(dt_bias)))
@@ -325,7 +327,7 @@ def gate_cumsum(g, A_log, dt_bias, lower_bound, valid):
     x = (_f32(g) + dt_bias[..., None, :]) * decay_rate
     # f32(f64(lower_bound) * log2(e)): the kernels form the gate scale in double precision
     gate_scale = np.float32(np.float64(np.float32(lower_bound)) * np.log2(np.e))
-    gate = jnp.where(valid[..., None], gate_scale * sigmoid_tanh(x), 0.0)
+    gate = jnp.where(valid[..., None], gate_scale * sigmoid(x), 0.0)
     gate = lax.optimization_barrier(gate)  # the product is rounded before the running sum
     running = gate[..., 0, :]
     cumulative = [running]

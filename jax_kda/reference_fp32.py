@@ -188,6 +188,15 @@ def mma_product(name, spec, a: HiLo, b: HiLo):
 # ----------------------------------------------------------------------------- kernel 1: prepare
 
 
+def sigmoid_exp2(x):
+    """The fp32 mode's sigmoid, 1 / (1 + 2^(-x log2 e)) in f32 (ptx.sigmoid_exp2: ex2.approx and
+    rcp.approx, relative error a few ulp everywhere). The bf16 mode's tanh.approx form has an
+    absolute error of ~2^-12, which for x << 0 (slowly decaying gates: sigmoid(-8) = 3.4e-4) is a
+    large part of the value itself."""
+    x = _f32(x)
+    return 1.0 / (1.0 + jnp.exp2(x * np.float32(-ref._LOG2E)))
+
+
 def _decays(G):
     """Per-element decay factors from the cumulative gates G [..., 16, 128], all f32.
 
@@ -222,7 +231,7 @@ def prepare_reference_fp32(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound,
         valid = jnp.ones(q.shape[:-1], dtype=bool)
     rows = valid[..., None]
     qn, kn = _normalized(q, rows), _normalized(k, rows)
-    G = ref.gate_cumsum(g, A_log, dt_bias, lower_bound, valid)
+    G = ref.gate_cumsum(g, A_log, dt_bias, lower_bound, valid, sigmoid=sigmoid_exp2)
     e, ei, gt, up, down = _decays(G)
     scale = jnp.float32(scale)
 
@@ -235,7 +244,7 @@ def prepare_reference_fp32(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound,
     kil = split_hi_lo(kn * (ei * down))  # k 2^(G_7 - G_r)
 
     strict = ref._strict_lower(CHUNK)
-    b = ref.sigmoid_tanh(beta)
+    b = sigmoid_exp2(beta)
     lmat = mma_product("L", "...rd,...cd->...rc", split_hi_lo(kl), kil)
     lmat = jnp.where(strict, lmat, 0.0) * b[..., :, None]
     mqk = mma_product("Mqk", "...rd,...cd->...rc", split_hi_lo(ql), kil)
@@ -254,7 +263,7 @@ def _chunk_step(state, ws: Fp32Workspace, v, beta):
     s = split_hi_lo(state)
     p = key_halves_product("P", "...rk,...vk->...rv", ws.kd, s)
     oq = key_halves_product("Oq", "...rk,...vk->...rv", ws.qd, s)
-    b = ref.sigmoid_tanh(beta)
+    b = sigmoid_exp2(beta)
     u = split_hi_lo((_f32(v) - p) * b[..., :, None])
     big_u = split_hi_lo(mma_product("U", "...rc,...cv->...rv", ws.inv, u))
     out = ref._narrow(oq + mma_product("out", "...rc,...cv->...rv", ws.mqk, big_u), jnp.bfloat16)

@@ -100,7 +100,7 @@ def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, arch):
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == MMAS
     for instr in (
         "ex2.approx.ftz.f32",
-        "tanh.approx.f32",
+        "rcp.approx.ftz.f32",  # ptx.sigmoid_exp2 (gates and betas)
         "rsqrt.approx.ftz.f32",
         "shfl.sync.bfly",
         "shfl.sync.idx",
@@ -108,6 +108,7 @@ def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, arch):
         "cvt.rn.bf16.f32",
     ):
         assert instr in ptx, instr
+    assert "tanh.approx" not in ptx  # the bf16 mode's sigmoid has no place here
     # bf16 -> f32 must be a bit shift: a cvt would flush subnormals under -ftz
     assert "cvt.f32.bf16" not in ptx
     # no intermediate is rounded by bf16 or f16 arithmetic in this mode
@@ -232,7 +233,7 @@ def test_sass(builds, arch, tmp_path):
     assert len(re.findall(r"\bSTG\.E(\.EF)?\.U16\b", sass)) == RECORD_B16_STORES
     assert len(re.findall(r"\bSTG\.E(\.EF)?\.128\b", sass)) == RECORD_V4_STORES
     assert len(re.findall(r"\bSTG\b", sass)) == RECORD_B16_STORES + RECORD_V4_STORES + 1
-    for op in ("MUFU.EX2", "MUFU.TANH", "MUFU.RSQ", "SHFL.BFLY", "SHFL.IDX"):
+    for op in ("MUFU.EX2", "MUFU.RCP", "MUFU.RSQ", "SHFL.BFLY", "SHFL.IDX"):
         assert op in sass, op
     assert not re.search(r"\b(LDL|STL)\b", sass)
     assert re.search(r"LOCAL:0\b", res), res

@@ -16,6 +16,7 @@ Work split (step numbers are those of docs/fp32_mode.md, section 1):
      then shfl.bfly 8, 4, 2, 1 among the 16 lanes of a row; rsqrt(sum + 1e-6) of every q and k row
      goes to shared memory next to the raw bf16 q, k, g rows. Threads 0-15: step 4,
      b = sigmoid(beta) (0 on rows past the end, whose L row is zero anyway).
+     Both sigmoids (gate and beta) are ptx.sigmoid_exp2 = rcp(1 + ex2(-x log2 e)).
   B. Thread d owns column d: step 2 (gate and its sequential f32 running sum G_r over the rows,
      prepare.py's loop); the column's raw q, k go to registers (two bf16 a register), then a
      barrier, then per row step 1's products q * inv, k * inv (f32), step 3's decays and decayed
@@ -81,7 +82,7 @@ from .ptx import (
     gate_scale_from_lower_bound,
     pack_bf16x2_i32,
     rsqrt_approx,
-    sigmoid,
+    sigmoid_exp2,
     st_global_v4,
 )
 from .recurrence_common import sequence_start
@@ -207,7 +208,7 @@ class KdaPrepareFp32:
             self._stage_rows(raw, sm, n_valid, tid)
             s_b = sm.b
             if tid < CHUNK:
-                b = sigmoid(bf16_to_f32(beta_raw))
+                b = sigmoid_exp2(bf16_to_f32(beta_raw))
                 if tid >= n_valid:
                     b = Float32(0.0)
                 s_b[tid] = b
@@ -309,7 +310,7 @@ class KdaPrepareFp32:
         total = Float32(0.0)
         for r in cutlass.range_constexpr(CHUNK):
             x = fmul(a_exp, fadd(bf16_to_f32(s_g[r, col]), dt))
-            gate = fmul(gate_scale, sigmoid(x))
+            gate = fmul(gate_scale, sigmoid_exp2(x))
             if r >= n_valid:
                 gate = Float32(0.0)
             total = fadd(total, gate)

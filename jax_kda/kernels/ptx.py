@@ -1072,3 +1072,19 @@ def fsub(a, b, *, loc=None, ip=None) -> Float32:
     a - b as a + (-b); .ftz flushes b or -b to a zero of the same sign either way), without the
     sign-flip instruction (the SASS FADD takes the negated operand)."""
     return _f32_binary("sub.rn.ftz.f32 $0, $1, $2;", a, b, loc, ip)
+
+
+# ------------------------------------------------------ the fp32 numerics mode's sigmoid
+@dsl_user_op
+def rcp_approx(x, *, loc=None, ip=None) -> Float32:
+    """rcp.approx.ftz.f32 (within 1 ulp)."""
+    return _f32_unary("rcp.approx.ftz.f32 $0, $1;", x, loc, ip)
+
+
+@dsl_user_op
+def sigmoid_exp2(x, *, loc=None, ip=None) -> Float32:
+    """sigmoid(x) = rcp(1 + ex2(-x log2 e)): relative error a few ulp for every x (the
+    tanh.approx form's absolute error, ~2^-12, is most of sigmoid(x) itself for x << 0). The fp32
+    numerics mode's gates and betas (docs/fp32_mode.md)."""
+    e = ex2_approx(fmul(x, Float32(-LOG2E), loc=loc, ip=ip), loc=loc, ip=ip)
+    return rcp_approx(fadd(e, Float32(1.0), loc=loc, ip=ip), loc=loc, ip=ip)
