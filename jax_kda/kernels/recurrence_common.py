@@ -120,19 +120,20 @@ def state_copy_unit(index, elem_bytes):
     return index // per_row, (index % per_row) * (16 // elem_bytes)
 
 
-def recurrence_args():
+def recurrence_args(state_dtype=BFloat16, record_bytes=RECORD_BYTES):
     """Fake arguments of a recurrence kernel's host __call__ (docs/kernel_abi.md): v, beta,
-    workspace, cu_seqlens, initial state, out, final state (T_total, H, N, S dynamic), stream."""
+    workspace, cu_seqlens, initial state, out, final state (T_total, H, N, S dynamic), stream.
+    The fp32 mode's recurrence takes f32 states and 23,040-byte records (recurrence_fp32_args)."""
     t_total, heads = symbol("T_total"), symbol("H")
     seqs_plus_1, seqs, slots = symbol("N_plus_1"), symbol("N"), symbol("S")
     return (
         fake_tensor(BFloat16, (t_total, heads, D), 16),  # v
         fake_tensor(BFloat16, (t_total, heads), 2),  # beta
-        fake_tensor(Uint8, (heads, slots, RECORD_BYTES), 16),  # workspace
+        fake_tensor(Uint8, (heads, slots, record_bytes), 16),  # workspace
         fake_tensor(Int32, (seqs_plus_1,), 4),  # cu_seqlens
-        fake_tensor(BFloat16, (seqs, heads, D, D), 16),  # initial state
+        fake_tensor(state_dtype, (seqs, heads, D, D), 16),  # initial state
         fake_tensor(BFloat16, (t_total, heads, D), 16),  # out
-        fake_tensor(BFloat16, (seqs, heads, D, D), 16),  # final state
+        fake_tensor(state_dtype, (seqs, heads, D, D), 16),  # final state
         fake_stream(),
     )
 
@@ -180,15 +181,4 @@ def recurrence_fp32_args():
     """Fake arguments of the fp32-mode recurrence's host __call__: recurrence_args() with f32
     initial / final states and 23,040-byte records (the same dynamic dimensions, in the same
     order)."""
-    t_total, heads = symbol("T_total"), symbol("H")
-    seqs_plus_1, seqs, slots = symbol("N_plus_1"), symbol("N"), symbol("S")
-    return (
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # v
-        fake_tensor(BFloat16, (t_total, heads), 2),  # beta
-        fake_tensor(Uint8, (heads, slots, FP32_RECORD_BYTES), 16),  # workspace
-        fake_tensor(Int32, (seqs_plus_1,), 4),  # cu_seqlens
-        fake_tensor(Float32, (seqs, heads, D, D), 16),  # initial state
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # out
-        fake_tensor(Float32, (seqs, heads, D, D), 16),  # final state
-        fake_stream(),
-    )
+    return recurrence_args(Float32, FP32_RECORD_BYTES)

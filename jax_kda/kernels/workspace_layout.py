@@ -51,46 +51,75 @@ def swizzle_index() -> np.ndarray:
     return r * D + (((c // 8) ^ (r % 8)) * 8) + c % 8
 
 
+class _Layout:
+    """Where a record's fields sit: swizzled [16, 128] bf16 tiles, the f32 gt [128], row-major
+    [16, 16] bf16 blocks (byte offsets), and the record size."""
+
+    def __init__(self, tiles: dict, gt: int, small: dict, record_bytes: int):
+        self.tiles, self.gt, self.small, self.record_bytes = tiles, gt, small, record_bytes
+
+
+_FLASHKDA = _Layout(_TILES, GT_OFFSET, _SMALL, RECORD_BYTES)
+_FP32 = _Layout(_FP32_TILES, FP32_RECORD["gt"], _FP32_SMALL, FP32_RECORD_BYTES)
+
+
+def _decode(records: np.ndarray, layout: _Layout) -> dict[str, np.ndarray]:
+    records = np.ascontiguousarray(records, dtype=np.uint8)
+    if records.shape[-1] != layout.record_bytes:
+        raise ValueError(f"last dim must be {layout.record_bytes} bytes, got {records.shape}")
+    lead = records.shape[:-1]
+    out: dict[str, np.ndarray] = {}
+    idx = swizzle_index()
+    for name, off in layout.tiles.items():
+        flat = records[..., off : off + CHUNK * D * 2].view(np.uint16)
+        out[name] = np.ascontiguousarray(flat[..., idx])
+    gt = records[..., layout.gt : layout.gt + D * 4].view(np.float32)
+    out["gt"] = np.ascontiguousarray(gt).reshape(*lead, D)
+    for name, off in layout.small.items():
+        blk = records[..., off : off + CHUNK * CHUNK * 2].view(np.uint16)
+        out[name] = np.ascontiguousarray(blk).reshape(*lead, CHUNK, CHUNK)
+    return out
+
+
+def _encode(fields: dict[str, np.ndarray], layout: _Layout) -> np.ndarray:
+    lead = np.asarray(fields["gt"]).shape[:-1]
+    rec = np.zeros((*lead, layout.record_bytes), np.uint8)
+    idx = swizzle_index()
+    for name, off in layout.tiles.items():
+        tile = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK, D)
+        flat = np.zeros((*lead, CHUNK * D), np.uint16)
+        flat[..., idx] = tile
+        rec[..., off : off + CHUNK * D * 2] = flat.view(np.uint8)
+    rec[..., layout.gt : layout.gt + D * 4] = (
+        np.asarray(fields["gt"], np.float32).reshape(*lead, D).view(np.uint8)
+    )
+    for name, off in layout.small.items():
+        blk = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK * CHUNK)
+        rec[..., off : off + CHUNK * CHUNK * 2] = blk.view(np.uint8)
+    return rec
+
+
+def _decode_workspace(ws, cu_seqlens, decode) -> dict[str, np.ndarray]:
+    slots = chunk_slots(cu_seqlens)
+    idx = np.array([s for _, _, s in slots], np.int64)
+    out = decode(np.asarray(ws)[:, idx])
+    out["seq"] = np.array([n for n, _, _ in slots], np.int64)
+    out["chunk"] = np.array([j for _, j, _ in slots], np.int64)
+    return out
+
+
 def decode_records(records: np.ndarray) -> dict[str, np.ndarray]:
     """uint8 [..., 13824] -> dict of arrays with the leading dims kept.
 
     kd, qd, kr: uint16 bf16 bits [..., 16, 128] (logical order, unswizzled);
     gt: float32 [..., 128]; inv, mqk: uint16 bf16 bits [..., 16, 16].
     """
-    records = np.ascontiguousarray(records, dtype=np.uint8)
-    if records.shape[-1] != RECORD_BYTES:
-        raise ValueError(f"last dim must be {RECORD_BYTES} bytes, got {records.shape}")
-    lead = records.shape[:-1]
-    out: dict[str, np.ndarray] = {}
-    idx = swizzle_index()
-    for name, off in _TILES.items():
-        flat = records[..., off : off + CHUNK * D * 2].view(np.uint16)
-        out[name] = np.ascontiguousarray(flat[..., idx])
-    gt = records[..., GT_OFFSET : GT_OFFSET + D * 4].view(np.float32)
-    out["gt"] = np.ascontiguousarray(gt).reshape(*lead, D)
-    for name, off in _SMALL.items():
-        blk = records[..., off : off + CHUNK * CHUNK * 2].view(np.uint16)
-        out[name] = np.ascontiguousarray(blk).reshape(*lead, CHUNK, CHUNK)
-    return out
+    return _decode(records, _FLASHKDA)
 
 
 def encode_records(fields: dict[str, np.ndarray]) -> np.ndarray:
     """Inverse of decode_records (bytes not covered by a field stay zero: there are none)."""
-    lead = np.asarray(fields["gt"]).shape[:-1]
-    rec = np.zeros((*lead, RECORD_BYTES), np.uint8)
-    idx = swizzle_index()
-    for name, off in _TILES.items():
-        tile = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK, D)
-        flat = np.zeros((*lead, CHUNK * D), np.uint16)
-        flat[..., idx] = tile
-        rec[..., off : off + CHUNK * D * 2] = flat.view(np.uint8)
-    rec[..., GT_OFFSET : GT_OFFSET + D * 4] = (
-        np.asarray(fields["gt"], np.float32).reshape(*lead, D).view(np.uint8)
-    )
-    for name, off in _SMALL.items():
-        blk = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK * CHUNK)
-        rec[..., off : off + CHUNK * CHUNK * 2] = blk.view(np.uint8)
-    return rec
+    return _encode(fields, _FLASHKDA)
 
 
 def chunk_slots(cu_seqlens: np.ndarray) -> list[tuple[int, int, int]]:
@@ -109,12 +138,7 @@ def decode_workspace(ws: np.ndarray, cu_seqlens: np.ndarray) -> dict[str, np.nda
 
     Also returns "seq" and "chunk" (int [num_chunks]) naming each chunk.
     """
-    slots = chunk_slots(cu_seqlens)
-    idx = np.array([s for _, _, s in slots], np.int64)
-    out = decode_records(np.asarray(ws)[:, idx])
-    out["seq"] = np.array([n for n, _, _ in slots], np.int64)
-    out["chunk"] = np.array([j for _, j, _ in slots], np.int64)
-    return out
+    return _decode_workspace(ws, cu_seqlens, decode_records)
 
 
 # ----------------------------------------------------------------------------- fp32 mode record
@@ -125,50 +149,15 @@ def decode_fp32_records(records: np.ndarray) -> dict[str, np.ndarray]:
     unswizzled); gt: float32 [..., 128]; inv_hi, inv_lo, mqk_hi, mqk_lo: uint16 bf16 bits
     [..., 16, 16].
     """
-    records = np.ascontiguousarray(records, dtype=np.uint8)
-    if records.shape[-1] != FP32_RECORD_BYTES:
-        raise ValueError(f"last dim must be {FP32_RECORD_BYTES} bytes, got {records.shape}")
-    lead = records.shape[:-1]
-    out: dict[str, np.ndarray] = {}
-    idx = swizzle_index()
-    for name, off in _FP32_TILES.items():
-        flat = records[..., off : off + CHUNK * D * 2].view(np.uint16)
-        out[name] = np.ascontiguousarray(flat[..., idx])
-    gt_off = FP32_RECORD["gt"]
-    gt = records[..., gt_off : gt_off + D * 4].view(np.float32)
-    out["gt"] = np.ascontiguousarray(gt).reshape(*lead, D)
-    for name, off in _FP32_SMALL.items():
-        blk = records[..., off : off + CHUNK * CHUNK * 2].view(np.uint16)
-        out[name] = np.ascontiguousarray(blk).reshape(*lead, CHUNK, CHUNK)
-    return out
+    return _decode(records, _FP32)
 
 
 def encode_fp32_records(fields: dict[str, np.ndarray]) -> np.ndarray:
     """Inverse of decode_fp32_records (the fields cover every byte of the record)."""
-    lead = np.asarray(fields["gt"]).shape[:-1]
-    rec = np.zeros((*lead, FP32_RECORD_BYTES), np.uint8)
-    idx = swizzle_index()
-    for name, off in _FP32_TILES.items():
-        tile = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK, D)
-        flat = np.zeros((*lead, CHUNK * D), np.uint16)
-        flat[..., idx] = tile
-        rec[..., off : off + CHUNK * D * 2] = flat.view(np.uint8)
-    gt_off = FP32_RECORD["gt"]
-    rec[..., gt_off : gt_off + D * 4] = (
-        np.asarray(fields["gt"], np.float32).reshape(*lead, D).view(np.uint8)
-    )
-    for name, off in _FP32_SMALL.items():
-        blk = np.asarray(fields[name], np.uint16).reshape(*lead, CHUNK * CHUNK)
-        rec[..., off : off + CHUNK * CHUNK * 2] = blk.view(np.uint8)
-    return rec
+    return _encode(fields, _FP32)
 
 
 def decode_fp32_workspace(ws: np.ndarray, cu_seqlens: np.ndarray) -> dict[str, np.ndarray]:
     """uint8 [H, S, 23040] (fp32 mode) -> per-chunk arrays [H, num_chunks, ...] in (sequence,
     chunk) order, plus "seq" and "chunk" (int [num_chunks]) naming each chunk."""
-    slots = chunk_slots(cu_seqlens)
-    idx = np.array([s for _, _, s in slots], np.int64)
-    out = decode_fp32_records(np.asarray(ws)[:, idx])
-    out["seq"] = np.array([n for n, _, _ in slots], np.int64)
-    out["chunk"] = np.array([j for _, j, _ in slots], np.int64)
-    return out
+    return _decode_workspace(ws, cu_seqlens, decode_fp32_records)
