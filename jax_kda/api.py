@@ -18,6 +18,7 @@ from . import (
     _launch,
     _partitioning,
     _reference_path,
+    _sequence_parallel,
 )
 
 
@@ -43,6 +44,7 @@ def kda_prefill(
     state_indices=None,
     checkpoint_every=None,
     numerics="flashkda",
+    sequence_parallel="auto",
 ):
     """Kimi Delta Attention prefill (chunked delta-rule recurrence), forward only.
 
@@ -81,6 +83,10 @@ def kda_prefill(
         exact computation, bitwise equal across column splits and runs, not bitwise FlashKDA's.
         It takes inverse="stable" and the column-split recurrence; an f32 initial state is read
         without rounding, a bf16 one widened.
+      sequence_parallel: "auto" (default: serial; the crossover is not measured yet), "off", or
+        a segment count n > 1 (numerics="fp32", batched input without cu_seqlens, pools or
+        checkpoints): each sequence is cut into n segments run side by side, exactly
+        (jax_kda._sequence_parallel); not bitwise the serial mode, equally accurate.
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the
@@ -101,6 +107,13 @@ def kda_prefill(
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         state_indices=state_indices, checkpoint_every=checkpoint_every, numerics=numerics,
     )
+    segments = _sequence_parallel.check(
+        sequence_parallel, numerics=numerics, cu_seqlens=cu_seqlens, state_indices=state_indices,
+        checkpoint_every=checkpoint_every)
+    if segments > 1:
+        return _segmented_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, problem,
+                                  segments=segments, backend=backend, column_split=column_split,
+                                  output_final_state=output_final_state)
     if launch.kernel == "baseline" and numerics == "fp32":
         raise ValueError(
             "kda_prefill: recurrence='baseline' runs numerics='flashkda' only; numerics='fp32' "
@@ -189,6 +202,22 @@ def kda_decode(
     if output_intermediate_states:
         return out, new_state, states
     return out, new_state
+
+
+def _segmented_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, problem, *, segments,
+                       backend, column_split, output_final_state):
+    """kda_prefill(numerics="fp32") with each sequence cut into `segments` (the segments' serial
+    prefills are kda_prefill calls on packed input, with all their partitioning and folding)."""
+    def serial(q, k, v, g, beta, A_log, dt_bias, cu, state):
+        return kda_prefill(q, k, v, g, beta, A_log, dt_bias, scale=problem.scale,
+                           lower_bound=problem.lower_bound, initial_state=state,
+                           output_final_state=True, cu_seqlens=cu, backend=backend,
+                           column_split=column_split, numerics="fp32", sequence_parallel="off")
+
+    state = _sequence_parallel.zero_state(q) if initial_state is None else initial_state
+    out, final_state = _sequence_parallel.prefill(serial, q, k, v, g, beta, A_log, dt_bias, state,
+                                                  segments=segments)
+    return out, (final_state.astype(problem.state_dtype) if output_final_state else None)
 
 
 def _local_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets, *,
