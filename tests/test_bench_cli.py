@@ -783,3 +783,32 @@ def test_compare_jla_is_timed_in_the_jax_chain(monkeypatch, tmp_path):
     assert got[("varlen2x8_H1", "jla")]["status"] == "skipped"
     assert data["meta"]["compare_versions"] == {"jla": "0.0.fake"}
     assert fake.calls  # traced once per chain length (the call is jitted on its own)
+
+
+def test_sequence_parallel_variants_of_the_long_context_preset(capsys):
+    from jax_kda.bench import cli
+    from jax_kda.bench import cases as cases_mod
+    from jax_kda.bench.jax_variants import Variant, unavailable_reason
+
+    code = cli.main(["--preset", "long-context", "--numerics", "flashkda,fp32", "--variants",
+                     "total", "--total-block-v", "auto", "--sequence-parallel", "4,16",
+                     "--dry-run"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert ("variants: total:bv=auto, total:fp32:bv=auto, total:fp32:bv=auto:sp=4, "
+            "total:fp32:bv=auto:sp=16") in text  # segments in the fp32 mode only
+    long = cases_mod.long_context_cases()
+    assert {c.seq_lens[0] for c in long} == {8192, 32768, 65536, 131072}
+    assert {c.heads for c in long} == {1, 4, 8, 12} and all(c.num_seqs == 1 for c in long)
+    packed = cases_mod.Case((1024,) * 8, 12, "varlen")
+    split = Variant("total", "auto", "fp32", segments=4)
+    assert "one sequence" in unavailable_reason(split, "stable", packed)
+    assert unavailable_reason(split, "stable", long[0]) is None
+
+
+def test_sequence_parallel_counts_must_be_integers():
+    from jax_kda.bench import cli
+
+    with pytest.raises(SystemExit, match="--sequence-parallel"):
+        cli.main(["--preset", "long-context", "--numerics", "fp32", "--variants", "total",
+                  "--sequence-parallel", "four", "--dry-run"])

@@ -172,8 +172,19 @@ def baseline_other_cases() -> list[Case]:
     return baseline_cases()[len(BASELINE_HEADS):]
 
 
+LONG_CONTEXT_SEQLENS = (8192, 32768, 65536, 131072)
+LONG_CONTEXT_HEADS = (1, 4, 8, 12)
+
+
+def long_context_cases() -> list[Case]:
+    """One long sequence at few heads (T = 8K .. 128K, heads 1 .. 12): where the serial chain per
+    head leaves the GPU idle and sequence parallelism (--sequence-parallel) is meant to help."""
+    return [Case((t,), h) for t in LONG_CONTEXT_SEQLENS for h in LONG_CONTEXT_HEADS]
+
+
 PRESETS = {"baselines": baseline_cases, "baselines-other": baseline_other_cases, "tiny": tiny_cases,
-           "decode": decode_cases, "decode-tiny": decode_tiny_cases}
+           "decode": decode_cases, "decode-tiny": decode_tiny_cases,
+           "long-context": long_context_cases}
 
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:

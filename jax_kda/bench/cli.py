@@ -6,6 +6,8 @@ Examples:
   python -m jax_kda.bench --variants recurrence --block-v 32,64,128,auto --seqlen 8192 --heads 6
   python -m jax_kda.bench --block-v 16,32,baseline --total-block-v baseline,auto  # baseline kernel too
   python -m jax_kda.bench --numerics flashkda,fp32 --compare jla  # both numerics modes, and jla
+  python -m jax_kda.bench --preset long-context --numerics fp32 --variants total \
+      --total-block-v auto --sequence-parallel 4,16     # serial vs sequence-parallel fp32
   python -m jax_kda.bench --variants reference --seqlen 64 --heads 2   # CPU, tiny
   python -m jax_kda.bench --preset decode --compare fla    # decode steps on a state pool, GPU
   python -m jax_kda.bench --decode 256,12,1 --state-dtype bf16 --pool-extra 64
@@ -30,6 +32,7 @@ prints where. Give --out benchmarks/results to add a run to the repository's com
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import os
 import platform
@@ -92,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--total-block-v", default=DEFAULT_TOTAL_BLOCK_V,
                    help=f"block_v values for 'total' (default {DEFAULT_TOTAL_BLOCK_V}; "
                    "also auto and baseline)")
+    g.add_argument("--sequence-parallel", default="", metavar="N1,N2,...",
+                   help="also time each fp32 'total' variant with kda_prefill(sequence_parallel=N) "
+                   "for these segment counts (named ...:sp=N; cases of one sequence)")
     g.add_argument("--numerics", default=FLASHKDA,
                    help=f"comma-separated numerics modes of kda_prefill, of {','.join(NUMERICS)} "
                    "(default flashkda): the jax_kda variants are timed once per mode, those of a "
@@ -165,8 +171,13 @@ def _kind_variants(kind: str, args, numerics: str) -> list[Variant]:
     if kind == "recurrence":
         return [Variant(kind, bv, numerics) for bv in _parse_block_v(args.block_v, "--block-v")]
     if kind == "total":
-        return [Variant(kind, bv, numerics)
-                for bv in _parse_block_v(args.total_block_v, "--total-block-v")]
+        plain = [Variant(kind, bv, numerics)
+                 for bv in _parse_block_v(args.total_block_v, "--total-block-v")]
+        if numerics != "fp32":
+            return plain
+        counts = cases_mod.parse_int_list(args.sequence_parallel, "--sequence-parallel") \
+            if args.sequence_parallel else ()
+        return plain + [dataclasses.replace(v, segments=n) for v in plain for n in counts]
     return [Variant(kind, numerics=numerics)]
 
 

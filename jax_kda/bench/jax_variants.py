@@ -23,6 +23,7 @@ class Variant:
     kind: str  # prepare | recurrence | total | reference | decode kinds | fla | flashkda | jla
     block_v: int | str | None = None  # value columns per CTA, AUTO or BASELINE (the baseline kernel)
     numerics: str = FLASHKDA  # the jax_kda numerics mode (contract.NUMERICS) it runs
+    segments: int | None = None  # kda_prefill(sequence_parallel=segments) (total, fp32 only)
 
     @property
     def name(self) -> str:
@@ -33,6 +34,8 @@ class Variant:
             parts.append(self.numerics)
         if self.block_v is not None:
             parts.append(f"bv={self.block_v}")
+        if self.segments is not None:
+            parts.append(f"sp={self.segments}")
         return ":".join(parts)
 
     @property
@@ -121,8 +124,11 @@ def compute_workspace(prepare, prepare_args):
     return jax.block_until_ready(jax.jit(prepare)(*prepare_args))
 
 
-def unavailable_reason(variant: Variant, inverse: str) -> str | None:
+def unavailable_reason(variant: Variant, inverse: str, case=None) -> str | None:
     """Why kda_prefill has no such variant (None: it has), known before any input is made."""
+    if variant.segments is not None and case is not None and case.num_seqs != 1:
+        return ("sequence_parallel segments take batched input: cases of one sequence only "
+                "(a packed case of several sequences is not cut)")
     if variant.numerics == FLASHKDA:
         return None
     if variant.block_v == BASELINE:
@@ -155,7 +161,7 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
 
     from .. import kda_prefill
 
-    why_not = unavailable_reason(variant, inverse)
+    why_not = unavailable_reason(variant, inverse, case)
     if why_not:
         raise VariantUnavailable(why_not)
     opts = _options(case, inverse)
@@ -190,10 +196,14 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
                              **_scalars(opts))
 
     if variant.kind == "total":
+        # one sequence cut into segments: batched input (a single sequence needs no cu_seqlens)
+        split = {} if variant.segments is None else {"sequence_parallel": variant.segments}
+        total_extra = extra if variant.segments is None else {}
+
         def total(q, k, v, g, beta, A_log, dt_bias, state):
             return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
                                output_final_state=True, backend="kernel", numerics=numerics,
-                               **kernel_choice, **opts, **extra)
+                               **kernel_choice, **opts, **total_extra, **split)
         return total, gate_args, _state_feedback, info
 
     def prepare(q, k, g, beta, A_log, dt_bias, cu):
