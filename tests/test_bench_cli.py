@@ -161,13 +161,9 @@ def test_markdown_tables_hold_the_measured_medians(bench_run):
     assert "prepare" not in text.splitlines()[2]  # never-timed variants get no column
 
 
-@pytest.mark.parametrize("kind,block_v,prepares,recurrences", [
-    ("prepare", None, 3, 0), ("recurrence", 32, 0, 3), ("recurrence", "auto", 0, 3),
-    ("total", 128, 3, 3), ("total", "auto", 3, 3), ("recurrence", "baseline", 0, 3),
-    ("total", "baseline", 3, 3)])
-def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
-        monkeypatch, kind, block_v, prepares, recurrences):
-    """What the GPU timing will compile: R chained calls, each with its custom calls, for CUDA."""
+def _lowered_chain(monkeypatch, kind, block_v, numerics="flashkda"):
+    """(StableHLO text for CUDA of 3 chained calls of a kernel variant on a small packed case,
+    the variant's info): what the GPU timing compiles, lowered here without a GPU."""
     from jax_kda import api
     from jax_kda.bench import inputs, jax_variants
 
@@ -180,12 +176,23 @@ def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
     monkeypatch.setattr(jax_variants, "compute_workspace", abstract_workspace)
     case = cases.Case((40, 0, 17), 3, "varlen")
     x = inputs.to_jax(inputs.make_inputs(case))
-    fn, args, feedback, info = jax_variants.build(jax_variants.Variant(kind, block_v), case, x,
-                                                  inverse="stable")
-    if block_v == "auto":
-        assert info["block_v_used"] in (16, 32, 64, 128)
+    fn, args, feedback, info = jax_variants.build(jax_variants.Variant(kind, block_v, numerics),
+                                                  case, x, inverse="stable")
     text = (timing.chain_jax(fn, 3, feedback).trace(*args)
             .lower(lowering_platforms=("cuda",)).as_text())
+    return text, info
+
+
+@pytest.mark.parametrize("kind,block_v,prepares,recurrences", [
+    ("prepare", None, 3, 0), ("recurrence", 32, 0, 3), ("recurrence", "auto", 0, 3),
+    ("total", 128, 3, 3), ("total", "auto", 3, 3), ("recurrence", "baseline", 0, 3),
+    ("total", "baseline", 3, 3)])
+def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
+        monkeypatch, kind, block_v, prepares, recurrences):
+    """What the GPU timing will compile: R chained calls, each with its custom calls, for CUDA."""
+    text, info = _lowered_chain(monkeypatch, kind, block_v)
+    if block_v == "auto":
+        assert info["block_v_used"] in (16, 32, 64, 128)
     assert text.count("@jax_kda_prepare_v1") == prepares
     assert text.count("@jax_kda_recurrence_v1") == recurrences
     attrs = re.findall(r"block_v = (\d+) : i32", text)
@@ -656,22 +663,9 @@ def test_fp32_kernel_variants_lower_to_the_fp32_custom_calls_on_f32_states(
         monkeypatch, kind, block_v, prepares, recurrences):
     """What the GPU timing of the fp32 mode compiles: its own kernels, and an f32 state from call
     to call (no bf16 state anywhere in the chain)."""
-    from jax_kda import api, contract
-    from jax_kda.bench import inputs, jax_variants
+    from jax_kda import contract
 
-    monkeypatch.setattr(jax_variants, "kernels_status", lambda: (True, ""))
-    monkeypatch.setattr(api, "_require_kernels", lambda: None)  # no GPU here; lowering only
-
-    def abstract_workspace(prepare, args):
-        return jax.ShapeDtypeStruct(jax.eval_shape(prepare, *args).shape, jnp.uint8)
-
-    monkeypatch.setattr(jax_variants, "compute_workspace", abstract_workspace)
-    case = cases.Case((40, 0, 17), 3, "varlen")
-    x = inputs.to_jax(inputs.make_inputs(case))
-    fn, args, feedback, info = jax_variants.build(jax_variants.Variant(kind, block_v, "fp32"),
-                                                  case, x, inverse="stable")
-    text = (timing.chain_jax(fn, 3, feedback).trace(*args)
-            .lower(lowering_platforms=("cuda",)).as_text())
+    text, info = _lowered_chain(monkeypatch, kind, block_v, "fp32")
     assert text.count(f"@{contract.PREPARE_FP32_TARGET}") == prepares
     assert text.count(f"@{contract.RECURRENCE_FP32_TARGET}") == recurrences
     assert text.count(f"@{contract.PREPARE_TARGET}") == text.count(

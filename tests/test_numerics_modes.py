@@ -147,20 +147,6 @@ def test_default_mode_still_lowers_to_the_flashkda_calls(monkeypatch):
     assert f"x{contract.RECORD_BYTES}xui8" in calls[contract.PREPARE_TARGET]
 
 
-def test_fp32_record_layout_is_aligned_and_fits():
-    offsets = sorted(contract.FP32_RECORD.items(), key=lambda kv: kv[1])
-    sizes = {"gt": 128 * 4, **{k: 16 * 16 * 2 for k in ("inv_hi", "inv_lo", "mqk_hi", "mqk_lo")}}
-    end = 0
-    for name, off in offsets:
-        assert off % 512 == 0 and off >= end, name
-        end = off + sizes.get(name, 16 * 128 * 2)
-    assert end == contract.FP32_RECORD_BYTES == contract.record_bytes("fp32")
-    # the hi tiles keep the bf16 record's offsets
-    assert (contract.FP32_RECORD["kd_hi"], contract.FP32_RECORD["qd_hi"],
-            contract.FP32_RECORD["kr_hi"]) == (contract.KD_OFFSET, contract.QD_OFFSET,
-                                               contract.KR_OFFSET)
-
-
 def test_kernel_path_widens_a_bf16_state_for_the_fp32_recurrence(monkeypatch):
     """The fp32 recurrence takes and returns f32 states: a bf16 initial state is widened
     exactly and the result rounded once to the state dtype the caller asked for."""

@@ -113,7 +113,7 @@ def test_fp32_offsets_tile_the_record():
     for name, off in sorted(contract.FP32_RECORD.items(), key=lambda kv: kv[1]):
         assert off == end and off % 512 == 0, name
         end = off + sizes[name]
-    assert end == contract.FP32_RECORD_BYTES == 23040
+    assert end == contract.FP32_RECORD_BYTES == contract.record_bytes("fp32") == 23040
     # the hi tiles keep the bf16 record's offsets
     assert (contract.FP32_RECORD["kd_hi"], contract.FP32_RECORD["qd_hi"],
             contract.FP32_RECORD["kr_hi"]) == (wl.KD_OFFSET, wl.QD_OFFSET, wl.KR_OFFSET)
