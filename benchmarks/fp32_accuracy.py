@@ -9,6 +9,7 @@ Three parts, one JSON:
            states.
 
   python benchmarks/fp32_accuracy.py --out fp32_accuracy.json [--parts regimes,growth,packed]
+      [--sequence-parallel 16,...]   # also the fp32 mode cut into that many segments ("fp32:sp=16")
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax_kda
 from jax_kda import oracle
 from jax_kda.bench import regimes
 
-MODES = ("flashkda", "fp32")
+MODES = ["flashkda", "fp32"]  # --sequence-parallel appends "fp32:sp=n" modes
 PACKED_CU = [0, 0, 4999, 4999, 20000, 20001, 32768]
 PREFIXES = (2048, 8192, 32768, 131072)
 LOWER_BOUND = -5.0
@@ -37,7 +38,10 @@ def rel_rmse(got, want) -> float:
 
 
 def kernel(mode, a, **extra):
-    """(out, final state) of the kernels in one numerics mode (f32 final state in both)."""
+    """(out, final state) of the kernels in one numerics mode (f32 final state in both); "fp32:
+    sp=n" is the fp32 mode with sequence_parallel=n."""
+    mode, _, segments = mode.partition(":sp=")
+    extra["sequence_parallel"] = int(segments) if segments else "off"
     state = extra.pop("initial_state", None)
     if state is None:
         N = a["q"].shape[0] if "cu_seqlens" not in extra else len(extra["cu_seqlens"]) - 1
@@ -146,7 +150,9 @@ def main():
     p.add_argument("--out", default="fp32_accuracy.json")
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sequence-parallel", default="", metavar="N1,N2,...")
     args = p.parse_args()
+    MODES.extend(f"fp32:sp={int(n)}" for n in args.sequence_parallel.split(",") if n)
     rng = np.random.default_rng(args.seed)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__,
               "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}

@@ -40,6 +40,10 @@ class Problem:
     checkpoint_every: int | None = None  # tokens between intermediate states, None = none
     checkpoint_capacity: int = 0  # rows of the packed checkpoint array (jax_kda.checkpoints)
     numerics: str = "flashkda"  # a contract.NUMERICS mode
+    # sequence parallelism (jax_kda._sequence_parallel, fp32 mode): tokens per piece of a cut
+    # sequence, or plan_segments: the kernel path plans it for the size it sees
+    segment_length: int | None = None
+    plan_segments: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

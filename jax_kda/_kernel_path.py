@@ -9,10 +9,11 @@ the vmap folding (jax_kda._batching) and the head partitioning (jax_kda._partiti
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
-from . import _ffi, _launch, _state_pool
+from . import _ffi, _launch, _sequence_parallel, _state_pool
 from ._checks import DecodeProblem, Problem
 from ._launch import RecurrenceLaunch
 from ._manual_axes import vary_like
@@ -70,12 +71,20 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     if cu is None:
         cu = jnp.arange(B + 1, dtype=jnp.int32) * T
     cu = cu.astype(jnp.int32)
+    length = _sequence_parallel.resolved_length(problem) if problem.numerics == "fp32" else None
+    if length is not None:
+        return _fp32_on_rows(
+            functools.partial(_segmented, q, k, v, g, beta, A_log, dt_bias, cu, problem=problem,
+                              options=options, length=length),
+            v, cu, state, state_indices, problem=problem)
     launch = _launch.resolve(options.launch, num_seqs=N, heads=H, numerics=problem.numerics)
     workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem,
                                   inverse=options.inverse)
     if problem.numerics == "fp32" and problem.pool_rows is not None:
-        return _fp32_on_pool_rows(v, beta, workspace, cu, state, state_indices, problem=problem,
-                                  launch=launch)
+        return _fp32_on_rows(
+            functools.partial(plain_recurrence, v, beta, workspace, cu, problem=problem,
+                              launch=launch),
+            v, cu, state, state_indices, problem=problem)
     if problem.pool_rows is None and problem.checkpoint_every is None:
         out, final = plain_recurrence(v, beta, workspace, cu, state, problem=problem,
                                       launch=launch)
@@ -100,18 +109,45 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     return vary_like(out.reshape(q.shape), v), vary_like(pool, v), ckpts
 
 
-def _fp32_on_pool_rows(v, beta, workspace, cu, pool, state_indices, *, problem: Problem,
-                       launch: RecurrenceLaunch):
-    """The fp32 mode on a state pool: the rows are gathered, run through the plain fp32
-    recurrence and scattered back (XLA updates a donated pool in place); padding slots read
-    zeros, write nothing and get zero outputs, as the pool kernels do."""
-    rows = _state_pool.gather(pool, state_indices)
-    out, final = plain_recurrence(v, beta, workspace, cu, rows, problem=problem, launch=launch)
+def _fp32_on_rows(run, v, cu, state, state_indices, *, problem: Problem):
+    """run(initial states [N, ...]) -> (out, final states) in the fp32 mode, on a state pool or
+    per-sequence states. A pool's rows are gathered and scattered back (XLA updates a donated
+    pool in place); padding slots read zeros, write nothing and get zero outputs, as the pool
+    kernels do."""
+    if problem.pool_rows is None:
+        out, final = run(state)
+        return vary_like(out, v), vary_like(final, v), None
+    out, final = run(_state_pool.gather(state, state_indices))
     padding = ~_state_pool.valid_rows(state_indices, problem.pool_rows)
     padded = _state_pool.padding_tokens(problem, cu if problem.varlen else None, padding)
     out = jnp.where(padded[..., None, None], jnp.zeros((), out.dtype), out)
-    return (vary_like(out, v), vary_like(_state_pool.scatter(pool, state_indices, final), v),
+    return (vary_like(out, v), vary_like(_state_pool.scatter(state, state_indices, final), v),
             None)
+
+
+def _segmented(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: Problem,
+               options: PrefillOptions, length: int):
+    """(out, final state) of the fp32 mode with long sequences cut into pieces of `length`
+    tokens (jax_kda._sequence_parallel): one prepare kernel, three recurrence kernels."""
+    N, H = problem.num_seqs, problem.heads
+    capacity = _sequence_parallel.piece_capacity(
+        num_seqs=N, total_tokens=problem.batch * problem.seqlen, varlen=problem.varlen,
+        length=length)
+    launch = _launch.resolve(options.launch, num_seqs=capacity, heads=H, numerics="fp32")
+
+    def prepare(piece_cu):
+        return prepare_workspace(q, k, g, beta, A_log, dt_bias, piece_cu, problem=problem,
+                                 inverse=options.inverse)
+
+    def recurrence(workspace, values, piece_cu, states):
+        return _ffi.recurrence_call(_flat(values), _flat(beta), workspace, piece_cu, states,
+                                    launch=launch, numerics="fp32")
+
+    state0 = (_sequence_parallel.zero_state(N, H) if state is None
+              else state.astype(jnp.float32))
+    out, final = _sequence_parallel.prefill(prepare, recurrence, v, state0, cu, length=length,
+                                            capacity=capacity)
+    return out.reshape(v.shape), final.astype(problem.state_dtype)
 
 
 def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem,

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _state_pool, reference, reference_fp32
+from . import _sequence_parallel, _state_pool, reference, reference_fp32
 from ._checks import DecodeProblem, Problem
 from .checkpoints import checkpoint_offsets
 
@@ -23,9 +23,8 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     pooled = state_indices is not None
     state0 = _state_pool.gather(state, state_indices) if pooled else state
     if problem.numerics == "fp32":  # no checkpoints in this mode (_checks)
-        out, final = reference_fp32.kda_prefill_reference_fp32(
-            q, k, v, g, beta, A_log, dt_bias, scale=problem.scale,
-            lower_bound=problem.lower_bound, initial_state=state0, cu_seqlens=cu, inverse=inverse)
+        out, final = _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu, problem=problem,
+                                   inverse=inverse)
         ckpts = []
     else:
         out, final, *ckpts = reference.kda_prefill_reference(
@@ -45,6 +44,36 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
         ckpts = jnp.where(_padding_checkpoints(problem, cu, padding, ckpt_offsets)[
             :, None, None, None], 0, ckpts).astype(ckpts.dtype)
     return out, _state_pool.scatter(state, state_indices, final), ckpts
+
+
+def _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu, *, problem: Problem,
+                  inverse: str):
+    """The fp32 reference, serial or cut into pieces as the kernel path cuts them (the same
+    plan for "auto", with the visible GPU's SM count or the H200's)."""
+    run = functools.partial(reference_fp32.kda_prefill_reference_fp32, scale=problem.scale,
+                            lower_bound=problem.lower_bound, inverse=inverse)
+    length = _sequence_parallel.resolved_length(problem)
+    if length is None:
+        return run(q, k, v, g, beta, A_log, dt_bias, initial_state=state0, cu_seqlens=cu)
+    B, T, H = problem.batch, problem.seqlen, problem.heads
+    if cu is None:
+        cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    packed = lambda x: x.reshape((1, B * T) + x.shape[2:])
+    q1, k1, g1, beta1 = (packed(x) for x in (q, k, g, beta))
+
+    def recurrence(_, values, piece_cu, states):  # the reference has no separate workspace
+        return run(q1, k1, values, g1, beta1, A_log, dt_bias, initial_state=states,
+                   cu_seqlens=piece_cu)
+
+    state0 = (_sequence_parallel.zero_state(problem.num_seqs, H) if state0 is None
+              else state0.astype(jnp.float32))
+    capacity = _sequence_parallel.piece_capacity(
+        num_seqs=problem.num_seqs, total_tokens=B * T, varlen=problem.varlen,
+        length=length)
+    out, final = _sequence_parallel.prefill(lambda piece_cu: None, recurrence, packed(v), state0,
+                                            cu.astype(jnp.int32), length=length,
+                                            capacity=capacity)
+    return out.reshape(v.shape), final
 
 
 def _padding_checkpoints(problem: Problem, cu, padding, offsets=None):

@@ -1,110 +1,204 @@
-"""Sequence parallelism for the fp32 numerics mode: a long sequence cut into segments whose
+"""Sequence parallelism for the fp32 numerics mode: long sequences cut into segments whose
 recurrences run side by side, exactly (no truncation, no decay-dependent warm-up).
 
 The chunk recurrence is affine in the state: over a segment p, S_end = S_start @ M_p + E_p
 (V-major states, S[v, k]), where E_p is the end state from a zero start and M_p the end state
-from the identity with all values v = 0 (the update's linear part). Three calls of the ordinary
-fp32 prefill on the segments, treated as packed sequences (segment boundaries are multiples of
-16 tokens from each sequence's start, so every chunk is the serial run's chunk):
+from the identity with all values v = 0 (the update's linear part). Every sequence is cut into
+pieces of `segment_length` tokens (a multiple of 16 from the sequence's start, so every chunk is
+the serial run's chunk; sequences no longer than that stay whole), and the pieces are run as
+packed sequences over ONE workspace (the prepare step is token-parallel and does not depend on
+the state):
 
-  1. from zero states with the real values        -> E_p;
-  2. from identity states with zero values        -> M_p;
-  3. a short serial combine per sequence and head, S_{p+1} = S_p @ M_p + E_p in f32, then the
-     prefill once more from the true starting states S_p -> outputs and final states.
+  1. recurrence from the true initial state (first piece of each sequence) or zero (the others)
+     with the real values -> E_p (and the first pieces' true end states);
+  2. recurrence from identity states with zero values -> M_p;
+  3. the combine: a segmented associative scan of the affine maps (M_p, E_p) over each
+     sequence's pieces in f32 (depth log2 of the piece count), giving every piece's true
+     starting state;
+  4. recurrence once more from the true starting states -> outputs and final states.
 
-Step 3 re-runs the segments instead of correcting step 1's outputs with the linear response
+Step 4 re-runs the pieces instead of correcting step 1's outputs with the linear response
 (O = O_zero + L S_p): the kernels round their outputs to bf16, and a correction added to rounded
 outputs would round twice; re-run, every output is rounded once, as in the serial mode. The only
-difference from the serial fp32 mode is the f32 arithmetic of the combine (the starting states
-come from M and E instead of the chain), an exact-math rearrangement.
+difference from the serial fp32 mode is the f32 arithmetic of the combine, an exact-math
+rearrangement (docs/fp32_mode.md, section 8).
 
-Supported: batched input (cu_seqlens None) with or without initial states. The segment count is
-static; "auto" keeps the serial mode (the crossover has not been measured yet).
+`prefill` is backend-neutral: the kernel path passes the prepare kernel and the recurrence
+kernel, the reference path the fp32 reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import jax.numpy as jnp
 from jax import lax
 
+from . import _launch
 from .contract import CHUNK, HEAD_DIM
 
 MODES = ("auto", "off")
 
 
-def check(value, *, numerics: str, cu_seqlens, state_indices, checkpoint_every) -> int:
-    """The number of segments a kda_prefill call asks for (1 = serial), checked."""
+def check(value, *, numerics: str, checkpoint_every) -> int | str:
+    """The segments a kda_prefill call asks for: 1 (serial), a count n > 1, or "auto"."""
     if isinstance(value, str):
         if value not in MODES:
             raise ValueError(f"kda_prefill: sequence_parallel must be 'auto', 'off' or a segment "
                              f"count >= 1, got {value!r}")
-        return 1  # "auto": serial until the crossover is measured
+        return "auto" if value == "auto" and numerics == "fp32" and checkpoint_every is None else 1
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"kda_prefill: sequence_parallel must be 'auto', 'off' or a segment "
                          f"count >= 1, got {value!r}")
-    if value > 1:
-        if numerics != "fp32":
-            raise ValueError("kda_prefill: sequence_parallel segments need numerics='fp32' (its "
-                             "rounding differs from the serial kernels, so the bitwise FlashKDA "
-                             "mode has none)")
-        if cu_seqlens is not None or state_indices is not None or checkpoint_every is not None:
-            raise ValueError("kda_prefill: sequence_parallel segments take batched input without "
-                             "cu_seqlens, state_indices or checkpoint_every")
+    if value > 1 and numerics != "fp32":
+        raise ValueError("kda_prefill: sequence_parallel segments need numerics='fp32' (its "
+                         "rounding differs from the serial kernels, so the bitwise FlashKDA "
+                         "mode has none)")
     return int(value)
 
 
-def segment_length(seqlen: int, segments: int) -> int:
-    """Tokens per segment: a multiple of 16, so that segments hold whole chunks."""
-    chunks = -(-seqlen // CHUNK)
-    return -(-chunks // segments) * CHUNK
+def segment_length(longest: int, segments: int) -> int:
+    """Tokens per segment when the longest sequence a call can hold (`longest` tokens) is cut
+    into `segments`: a multiple of 16, so that segments hold whole chunks."""
+    chunks = -(-longest // CHUNK)
+    return max(1, -(-chunks // segments)) * CHUNK
 
 
-def prefill(run, q, k, v, g, beta, A_log, dt_bias, initial_state, *, segments: int):
-    """(out [B, T, H, 128] bf16, final state f32 [B, H, 128, 128]) of the fp32 mode with each
-    sequence cut into `segments` pieces. run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    initial_state) is the serial fp32 prefill on packed [1, T_total, ...] inputs, returning
-    (out, f32 final states of every packed sequence)."""
-    B, T, H, D = q.shape
-    length = segment_length(T, segments)
-    per_seq = -(-T // length)  # segments actually used
-    bounds = jnp.minimum(jnp.arange(per_seq + 1, dtype=jnp.int32) * length, T)
-    cu = (jnp.arange(B, dtype=jnp.int32)[:, None] * T + bounds[None, :-1]).reshape(-1)
-    cu = jnp.concatenate([cu, jnp.full((1,), B * T, jnp.int32)])
-
-    def packed(x):
-        return x.reshape((1, B * T) + x.shape[2:])
-
-    tokens = [packed(x) for x in (q, k, v, g, beta)]
-    pieces = B * per_seq
-    zeros = jnp.zeros((pieces, H, D, D), jnp.float32)
-    identity = jnp.broadcast_to(jnp.eye(D, dtype=jnp.float32), (pieces, H, D, D))
-    _, zero_start_ends = run(*tokens, A_log, dt_bias, cu, zeros)
-    q_, k_, _, g_, beta_ = tokens
-    _, transports = run(q_, k_, jnp.zeros_like(tokens[2]), g_, beta_, A_log, dt_bias, cu,
-                        identity)
-    starts = _segment_starts(initial_state, transports.reshape(B, per_seq, H, D, D),
-                             zero_start_ends.reshape(B, per_seq, H, D, D))
-    out, ends = run(*tokens, A_log, dt_bias, cu, starts.reshape(pieces, H, D, D))
-    return out.reshape(B, T, H, D), ends.reshape(B, per_seq, H, D, D)[:, -1]
+def piece_capacity(*, num_seqs: int, total_tokens: int, varlen: bool, length: int) -> int:
+    """Static number of pieces: N * ceil(T / length) for batched input; for packed input each
+    sequence gives max(1, ceil(len / length)) <= 1 + floor(len / length) pieces, so
+    N + floor(T_total / length) bound them (unused pieces are empty)."""
+    if not varlen:
+        return num_seqs * -(-(total_tokens // num_seqs) // length)
+    return num_seqs + total_tokens // length
 
 
-def _segment_starts(initial_state, transports, zero_start_ends):
-    """S_p for every segment p: S_0 = the initial state, S_{p+1} = S_p @ M_p + E_p (f32),
-    serial over p per (sequence, head); [B, P, H, 128, 128]."""
-    def step(state, me):
-        m, e = me
-        nxt = jnp.einsum("bhvj,bhjk->bhvk", state, m, precision=lax.Precision.HIGHEST) + e
-        return nxt, state
+def pieces(cu, *, capacity: int, length: int):
+    """The pieces of packed sequences cu [N + 1] (values may be traced): (piece_cu int32
+    [capacity + 1], owner int32 [capacity]: the sequence of each piece, first bool [capacity]:
+    a sequence's first piece, last int32 [N]: each sequence's last piece). Piece j of sequence n
+    covers [cu[n] + j * length, min(cu[n] + (j + 1) * length, cu[n + 1])); an empty sequence has
+    one empty piece; unused pieces are empty, at the end."""
+    N = cu.shape[0] - 1
+    lens = cu[1:] - cu[:-1]
+    counts = jnp.maximum(1, -(-lens // length))
+    ends = jnp.cumsum(counts)  # one past each sequence's last piece
+    p = jnp.arange(capacity, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(ends, p, side="right"), N - 1).astype(jnp.int32)
+    rank = p - (ends - counts)[owner]
+    used = p < ends[-1]
+    starts = jnp.where(used, cu[owner] + rank * length, cu[-1])
+    piece_cu = jnp.concatenate([starts, cu[-1:]]).astype(jnp.int32)
+    return piece_cu, owner, used & (rank == 0), (ends - 1).astype(jnp.int32)
 
-    _, starts = lax.scan(step, initial_state.astype(jnp.float32),
-                         (jnp.moveaxis(transports, 1, 0), jnp.moveaxis(zero_start_ends, 1, 0)))
-    return jnp.moveaxis(starts, 0, 1)
+
+def prefill(prepare, recurrence, v, state0, cu, *, length: int, capacity: int):
+    """(out, final states f32 [N, H, 128, 128]) of the fp32 mode with long sequences cut into
+    pieces of `length` tokens.
+
+    prepare(piece_cu) -> workspace (any value) for the pieces as packed sequences;
+    recurrence(workspace, v, piece_cu, states f32 [capacity, H, 128, 128]) -> (out, end states
+    f32 [capacity, H, 128, 128]). v: the values in the caller's layout (only zeroed here);
+    state0: f32 [N, H, 128, 128]; cu: int32 [N + 1]."""
+    piece_cu, owner, first, last = pieces(cu, capacity=capacity, length=length)
+    H = state0.shape[1]
+    as_state = lambda mask: mask[:, None, None, None]
+    workspace = prepare(piece_cu)
+    starts = jnp.where(as_state(first), state0[owner], jnp.zeros((), jnp.float32))
+    _, zero_start_ends = recurrence(workspace, v, piece_cu, starts)
+    identity = jnp.broadcast_to(jnp.eye(HEAD_DIM, dtype=jnp.float32),
+                                (capacity, H, HEAD_DIM, HEAD_DIM))
+    _, transports = recurrence(workspace, jnp.zeros_like(v), piece_cu, identity)
+    true_ends = combine(first, transports, zero_start_ends)
+    previous = jnp.concatenate([true_ends[:1], true_ends[:-1]])
+    starts = jnp.where(as_state(first), state0[owner], previous)
+    out, ends = recurrence(workspace, v, piece_cu, starts)
+    return out, ends[last]
 
 
-def zero_state(q):
-    """The zero initial state of batched fp32-mode input q [B, T, H, 128]."""
-    B, _, H, _ = q.shape
-    return jnp.zeros((B, H, HEAD_DIM, HEAD_DIM), jnp.float32)
+COMBINES = ("associative", "serial")
 
+
+def combine(first, transports, zero_start_ends, *, method: str = "associative",
+            precision=lax.Precision.HIGHEST):
+    """Every piece's true end state: a segmented inclusive scan of the affine maps
+    S -> S @ M_p + E_p, restarted at each sequence's first piece (whose E already is its true
+    end state, run from the sequence's initial state); f32 products (`precision`).
+    "associative": ~2P compositions (M_a @ M_b, E_a @ M_b + E_b) in 2 log2(P) dependent levels;
+    "serial": P dependent products S @ M_p + E_p, one piece after another."""
+    def matmul(a, b):
+        return jnp.einsum("...vj,...jk->...vk", a, b, precision=precision)
+
+    if method == "serial":
+        ends, state = [], zero_start_ends[0]
+        for p in range(first.shape[0]):
+            if p:
+                state = jnp.where(first[p], zero_start_ends[p],
+                                  matmul(state, transports[p]) + zero_start_ends[p])
+            ends.append(state)
+        return jnp.stack(ends)
+
+    def compose(a, b):  # a's pieces, then b's
+        reset_a, m_a, e_a = a
+        reset_b, m_b, e_b = b
+        keep = reset_b[..., None, None, None]
+        return (reset_a | reset_b, jnp.where(keep, m_b, matmul(m_a, m_b)),
+                jnp.where(keep, e_b, matmul(e_a, m_b) + e_b))
+
+    return lax.associative_scan(compose, (first, transports, zero_start_ends))[2]
+
+
+def zero_state(num_seqs: int, heads: int):
+    """The zero f32 initial state of num_seqs sequences."""
+    return jnp.zeros((num_seqs, heads, HEAD_DIM, HEAD_DIM), jnp.float32)
+
+
+def longest(problem) -> int:
+    """The longest sequence a call can hold: T for batched input, the packed length with
+    cu_seqlens."""
+    return problem.batch * problem.seqlen if problem.varlen else problem.seqlen
+
+
+def with_segments(problem, segments):
+    """`problem` (jax_kda._checks.Problem) with its sequence parallelism: segments = 1 (serial),
+    a count n (the longest possible sequence cut into n pieces) or "auto" (planned by the kernel
+    path for the size it sees)."""
+    if segments == "auto":
+        return dataclasses.replace(problem, plan_segments=True)
+    length = segment_length(longest(problem), segments)
+    if segments == 1 or length >= longest(problem):
+        return problem
+    return dataclasses.replace(problem, segment_length=length)
+
+
+def resolved_length(problem, *, sm_count: int | None = None) -> int | None:
+    """Tokens per piece (None: serial): the explicit choice, or the plan for "auto"."""
+    if problem.segment_length is not None or not problem.plan_segments:
+        return problem.segment_length
+    segments = planned_segments(num_seqs=problem.num_seqs, heads=problem.heads,
+                                longest=longest(problem), varlen=problem.varlen,
+                                sm_count=sm_count)
+    length = segment_length(longest(problem), segments)
+    return length if segments > 1 and length < longest(problem) else None
+
+
+# "auto" (measured on the H200, BENCHMARKS.md "Sequence parallelism"): the three passes run at
+# the serial kernel's per-chunk rate while the pieces' block_v = 16 CTAs fit two per SM, so a cut
+# into n pieces gains at most n / 3 less the combine; at 8 pieces (4 heads) it gained 1.6x,
+# at 4 (8 heads) it lost. Pieces shorter than 512 tokens are not worth their combine.
+MIN_SEGMENTS = 8
+MIN_PIECE_TOKENS = 512
+
+
+def planned_segments(*, num_seqs: int, heads: int, longest: int, varlen: bool,
+                     sm_count: int | None = None) -> int:
+    """"auto": the largest power of two of pieces whose tasks (pieces x heads; packed input:
+    every sequence a piece, plus the cut one's) stay within _launch.fp32_short_chain_tasks and
+    whose pieces hold MIN_PIECE_TOKENS, if that is at least MIN_SEGMENTS; else 1 (serial)."""
+    fill = _launch.fp32_short_chain_tasks(sm_count) // heads
+    per_sequence = fill - (num_seqs - 1) if varlen else fill // num_seqs
+    segments = min(per_sequence, longest // MIN_PIECE_TOKENS)
+    if segments < MIN_SEGMENTS:
+        return 1
+    return 1 << (segments.bit_length() - 1)  # a power of two: the measured counts

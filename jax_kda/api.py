@@ -107,13 +107,8 @@ def kda_prefill(
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         state_indices=state_indices, checkpoint_every=checkpoint_every, numerics=numerics,
     )
-    segments = _sequence_parallel.check(
-        sequence_parallel, numerics=numerics, cu_seqlens=cu_seqlens, state_indices=state_indices,
-        checkpoint_every=checkpoint_every)
-    if segments > 1:
-        return _segmented_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, problem,
-                                  segments=segments, backend=backend, column_split=column_split,
-                                  output_final_state=output_final_state)
+    problem = _sequence_parallel.with_segments(problem, _sequence_parallel.check(
+        sequence_parallel, numerics=numerics, checkpoint_every=checkpoint_every))
     if launch.kernel == "baseline" and numerics == "fp32":
         raise ValueError(
             "kda_prefill: recurrence='baseline' runs numerics='flashkda' only; numerics='fp32' "
@@ -131,7 +126,7 @@ def kda_prefill(
         options = {"scale": problem.scale, "lower_bound": problem.lower_bound,
                    "inverse": inverse, "backend": backend, "column_split": column_split,
                    "recurrence": recurrence, "checkpoint_every": checkpoint_every,
-                   "numerics": numerics}
+                   "numerics": numerics, "sequence_parallel": sequence_parallel}
         out, final_state, checkpoints = _partitioning.shard_over_heads(
             functools.partial(_local_prefill, options=options), _partitioning.PREFILL,
             (*arrays, None), *explicit)
@@ -202,22 +197,6 @@ def kda_decode(
     if output_intermediate_states:
         return out, new_state, states
     return out, new_state
-
-
-def _segmented_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, problem, *, segments,
-                       backend, column_split, output_final_state):
-    """kda_prefill(numerics="fp32") with each sequence cut into `segments` (the segments' serial
-    prefills are kda_prefill calls on packed input, with all their partitioning and folding)."""
-    def serial(q, k, v, g, beta, A_log, dt_bias, cu, state):
-        return kda_prefill(q, k, v, g, beta, A_log, dt_bias, scale=problem.scale,
-                           lower_bound=problem.lower_bound, initial_state=state,
-                           output_final_state=True, cu_seqlens=cu, backend=backend,
-                           column_split=column_split, numerics="fp32", sequence_parallel="off")
-
-    state = _sequence_parallel.zero_state(q) if initial_state is None else initial_state
-    out, final_state = _sequence_parallel.prefill(serial, q, k, v, g, beta, A_log, dt_bias, state,
-                                                  segments=segments)
-    return out, (final_state.astype(problem.state_dtype) if output_final_state else None)
 
 
 def _local_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets, *,

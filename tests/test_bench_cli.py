@@ -796,8 +796,10 @@ def test_sequence_parallel_variants_of_the_long_context_preset(capsys):
     assert {c.heads for c in long} == {1, 4, 8, 12} and all(c.num_seqs == 1 for c in long)
     packed = cases_mod.Case((1024,) * 8, 12, "varlen")
     split = Variant("total", "auto", "fp32", segments=4)
-    assert "one sequence" in unavailable_reason(split, "stable", packed)
-    assert unavailable_reason(split, "stable", long[0]) is None
+    for case in (packed, long[0]):  # packed input is cut too (only its long sequences)
+        assert unavailable_reason(split, "stable", case) is None
+    assert "column-split recurrence only" in unavailable_reason(
+        Variant("total", "baseline", "fp32"), "stable", long[0])
 
 
 def test_sequence_parallel_counts_must_be_integers():

@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                    "also auto and baseline)")
     g.add_argument("--sequence-parallel", default="", metavar="N1,N2,...",
                    help="also time each fp32 'total' variant with kda_prefill(sequence_parallel=N) "
-                   "for these segment counts (named ...:sp=N; cases of one sequence)")
+                   "for these segment counts or 'auto' (named ...:sp=N; the plain fp32 variants "
+                   "run sequence_parallel='off')")
     g.add_argument("--numerics", default=FLASHKDA,
                    help=f"comma-separated numerics modes of kda_prefill, of {','.join(NUMERICS)} "
                    "(default flashkda): the jax_kda variants are timed once per mode, those of a "
@@ -175,10 +176,16 @@ def _kind_variants(kind: str, args, numerics: str) -> list[Variant]:
                  for bv in _parse_block_v(args.total_block_v, "--total-block-v")]
         if numerics != "fp32":
             return plain
-        counts = cases_mod.parse_int_list(args.sequence_parallel, "--sequence-parallel") \
-            if args.sequence_parallel else ()
+        counts = _parse_segments(args.sequence_parallel)
         return plain + [dataclasses.replace(v, segments=n) for v in plain for n in counts]
     return [Variant(kind, numerics=numerics)]
+
+
+def _parse_segments(text: str) -> tuple[int | str, ...]:
+    """--sequence-parallel: segment counts and "auto" (the plan), comma-separated."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    return tuple(w if w == "auto" else cases_mod.parse_int_list(w, "--sequence-parallel")[0]
+                 for w in words)
 
 
 def _variants(args, kernels_ok: bool, cases=()) -> list[Variant]:

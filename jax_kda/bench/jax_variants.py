@@ -23,7 +23,8 @@ class Variant:
     kind: str  # prepare | recurrence | total | reference | decode kinds | fla | flashkda | jla
     block_v: int | str | None = None  # value columns per CTA, AUTO or BASELINE (the baseline kernel)
     numerics: str = FLASHKDA  # the jax_kda numerics mode (contract.NUMERICS) it runs
-    segments: int | None = None  # kda_prefill(sequence_parallel=segments) (total, fp32 only)
+    # kda_prefill(sequence_parallel=segments): an int or "auto" (total, fp32 only; None: "off")
+    segments: int | str | None = None
 
     @property
     def name(self) -> str:
@@ -126,9 +127,6 @@ def compute_workspace(prepare, prepare_args):
 
 def unavailable_reason(variant: Variant, inverse: str, case=None) -> str | None:
     """Why kda_prefill has no such variant (None: it has), known before any input is made."""
-    if variant.segments is not None and case is not None and case.num_seqs != 1:
-        return ("sequence_parallel segments take batched input: cases of one sequence only "
-                "(a packed case of several sequences is not cut)")
     if variant.numerics == FLASHKDA:
         return None
     if variant.block_v == BASELINE:
@@ -196,14 +194,14 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
                              **_scalars(opts))
 
     if variant.kind == "total":
-        # one sequence cut into segments: batched input (a single sequence needs no cu_seqlens)
-        split = {} if variant.segments is None else {"sequence_parallel": variant.segments}
-        total_extra = extra if variant.segments is None else {}
+        # fp32: serial unless the variant names segments (an int or "auto")
+        split = {} if numerics == FLASHKDA else {
+            "sequence_parallel": "off" if variant.segments is None else variant.segments}
 
         def total(q, k, v, g, beta, A_log, dt_bias, state):
             return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
                                output_final_state=True, backend="kernel", numerics=numerics,
-                               **kernel_choice, **opts, **total_extra, **split)
+                               **kernel_choice, **opts, **extra, **split)
         return total, gate_args, _state_feedback, info
 
     def prepare(q, k, g, beta, A_log, dt_bias, cu):
