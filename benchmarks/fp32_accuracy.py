@@ -41,14 +41,14 @@ def kernel(mode, a, **extra):
     """(out, final state) of the kernels in one numerics mode (f32 final state in both); "fp32:
     sp=n" is the fp32 mode with sequence_parallel=n."""
     mode, _, segments = mode.partition(":sp=")
-    extra["sequence_parallel"] = int(segments) if segments else "off"
+    split = int(segments) if segments else "off"
     state = extra.pop("initial_state", None)
     if state is None:
         N = a["q"].shape[0] if "cu_seqlens" not in extra else len(extra["cu_seqlens"]) - 1
         state = jnp.zeros((N, a["q"].shape[2], 128, 128), jnp.float32)
     return jax.jit(lambda a, s, extra: jax_kda.kda_prefill(
         **a, **extra, initial_state=s, output_final_state=True, backend="kernel",
-        numerics=mode))(a, state, extra)
+        numerics=mode, sequence_parallel=split))(a, state, extra)
 
 
 def jla_kernel(a):

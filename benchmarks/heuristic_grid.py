@@ -28,10 +28,11 @@ BASELINE = jax_variants.BASELINE
 HEADS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def device_inputs(key, num_seqs, seqlen, heads):
-    """kda_prefill-layout inputs (B = 1, packed), bf16 activations, realistic scales."""
+def device_inputs(key, num_seqs, seqlen, heads, total=None):
+    """kda_prefill-layout inputs (B = 1, packed: num_seqs sequences of seqlen tokens, or `total`
+    tokens in all), bf16 activations, realistic scales."""
     ks = jax.random.split(key, 8)
-    T, D = num_seqs * seqlen, 128
+    T, D = total or num_seqs * seqlen, 128
 
     def unit(k_):  # L2-normalised rows, as a model's q/k
         x = jax.random.normal(k_, (1, T, heads, D), jnp.float32)
@@ -73,6 +74,8 @@ def main():
     p.add_argument("--markdown", metavar="GRID_JSON", help="print the table of a measured grid and exit")
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--seqs", default="1,2,4,8")
+    p.add_argument("--mix", action="append", default=[], metavar="L1,L2,...",
+                   help="also a packed mix of these sequence lengths (repeatable)")
     p.add_argument("--heads", default=",".join(map(str, HEADS)))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--min-chain-ms", type=float, default=3.0)
@@ -91,10 +94,14 @@ def main():
     device = jax.devices()[0]
     sms = _launch.gpu_sm_count()
     rows, started = [], time.time()
-    for num_seqs in map(int, args.seqs.split(",")):
+    lengths = [(args.seqlen,) * int(n) for n in args.seqs.split(",") if n]
+    lengths += [cases.parse_int_list(mix, "--mix") for mix in args.mix]
+    for seq_lens in lengths:
+        num_seqs = len(seq_lens)
         for heads in map(int, args.heads.split(",")):
-            case = cases.Case((args.seqlen,) * num_seqs, heads, layout="varlen")
-            x = device_inputs(jax.random.key(num_seqs * 1000 + heads), num_seqs, args.seqlen, heads)
+            case = cases.Case(tuple(seq_lens), heads, layout="varlen")
+            x = device_inputs(jax.random.key(num_seqs * 1000 + heads), num_seqs, args.seqlen, heads,
+                              total=sum(seq_lens))
             x["cu_seqlens"] = jnp.asarray(case.cu_seqlens(), jnp.int32)
             auto = _launch.choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sms,
                                           numerics=args.numerics)
@@ -104,14 +111,14 @@ def main():
                 t = timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=2, inner=2,
                                     min_chain_ms=args.min_chain_ms)
                 rows.append({"num_seqs": num_seqs, "heads": heads, "block_v": block_v,
+                             "seq_lens": list(seq_lens),
                              "numerics": args.numerics,
                              "median_us": t.median_us, "summary": t.summary(), "auto": auto})
                 del fn_args
-            best = min((r for r in rows if r["num_seqs"] == num_seqs and r["heads"] == heads),
-                       key=lambda r: r["median_us"])
-            cells = "  ".join(f"bv{r['block_v']}={r['median_us']:8.1f}" for r in rows
-                              if r["num_seqs"] == num_seqs and r["heads"] == heads)
-            print(f"N={num_seqs} H={heads:3d}  {cells}  best bv{best['block_v']}  auto bv{auto}"
+            mine = [r for r in rows if r["seq_lens"] == list(seq_lens) and r["heads"] == heads]
+            best = min(mine, key=lambda r: r["median_us"])
+            cells = "  ".join(f"bv{r['block_v']}={r['median_us']:8.1f}" for r in mine)
+            print(f"N={num_seqs} T={sum(seq_lens)} H={heads:3d}  {cells}  best bv{best['block_v']}  auto bv{auto}"
                   f"  [{time.time() - started:5.0f} s]", flush=True)
             del x
             with open(args.out, "w") as f:  # after every (N, H): a timeout keeps what was measured

@@ -119,21 +119,13 @@ def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None,
     return 64
 
 
-def fp32_short_chain_tasks(sm_count: int | None = None) -> int:
-    """The most (sequence, head) tasks whose fp32 block_v = 16 CTAs fit two per SM: up to there
-    the fp32 heuristic runs the shortest chain per chunk (sequence parallelism plans its pieces
-    to stay within it)."""
-    sms = sm_count or gpu_sm_count()
-    return 2 * sms // (HEAD_DIM // 16)
-
-
 def _choose_block_v_fp32(tasks: int, sms: int) -> int:
     """The fp32 recurrence (benchmarks/results/h200-20261201-fp32-grid-2.json): block_v 16 and 32
     give each 8-column tile to a pair of warps (two CTAs per SM at most), 64 and 128 keep a
     tile's two key halves in one warp. The shortest chain, 16, wins while its CTAs fit two per
     SM; then 64 while one of its CTAs per SM suffices (its eight warps share each chunk's record
     among 64 columns); past that 128, which shares it among the most columns."""
-    if tasks <= fp32_short_chain_tasks(sms):
+    if ctas_per_sm(tasks=tasks, block_v=16, sm_count=sms) <= 2:
         return 16
     if ctas_per_sm(tasks=tasks, block_v=64, sm_count=sms) <= 1:
         return 64

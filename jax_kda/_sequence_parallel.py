@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _launch
+from ._manual_axes import vary_like
 from .contract import CHUNK, HEAD_DIM
 
 MODES = ("auto", "off")
@@ -103,12 +104,13 @@ def prefill(prepare, recurrence, v, state0, cu, *, length: int, capacity: int):
     state0: f32 [N, H, 128, 128]; cu: int32 [N + 1]."""
     piece_cu, owner, first, last = pieces(cu, capacity=capacity, length=length)
     H = state0.shape[1]
+    state0 = vary_like(state0, v)  # under shard_map: states made here vary like the inputs
     as_state = lambda mask: mask[:, None, None, None]
     workspace = prepare(piece_cu)
     starts = jnp.where(as_state(first), state0[owner], jnp.zeros((), jnp.float32))
     _, zero_start_ends = recurrence(workspace, v, piece_cu, starts)
-    identity = jnp.broadcast_to(jnp.eye(HEAD_DIM, dtype=jnp.float32),
-                                (capacity, H, HEAD_DIM, HEAD_DIM))
+    identity = vary_like(jnp.broadcast_to(jnp.eye(HEAD_DIM, dtype=jnp.float32),
+                                          (capacity, H, HEAD_DIM, HEAD_DIM)), v)
     _, transports = recurrence(workspace, jnp.zeros_like(v), piece_cu, identity)
     true_ends = combine(first, transports, zero_start_ends)
     previous = jnp.concatenate([true_ends[:1], true_ends[:-1]])
@@ -183,22 +185,47 @@ def resolved_length(problem, *, sm_count: int | None = None) -> int | None:
     return length if segments > 1 and length < longest(problem) else None
 
 
-# "auto" (measured on the H200, BENCHMARKS.md "Sequence parallelism"): the three passes run at
-# the serial kernel's per-chunk rate while the pieces' block_v = 16 CTAs fit two per SM, so a cut
-# into n pieces gains at most n / 3 less the combine; at 8 pieces (4 heads) it gained 1.6x,
-# at 4 (8 heads) it lost. Pieces shorter than 512 tokens are not worth their combine.
-MIN_SEGMENTS = 8
-MIN_PIECE_TOKENS = 512
+# "auto": a time model of the fp32 kernels fitted on the H200 (BENCHMARKS.md "Sequence
+# parallelism"). Per 16-token chunk the block_v = 16 recurrence takes 0.89 us while each SM runs
+# one of its CTAs and 1.29 us at two (benchmarks/results/h200-20261201-fp32-grid-2.json: 457 and
+# 662 us for 512 chunks); a cut into n pieces runs three passes of ceil(chunks / n) chunks plus the
+# combine and its launches, ~35 us + 2.3 us per (piece, head) state (fitted to the sequence-parallel
+# measurements, h200-20261201-sp-*.json; the plan is within 5 % of the fastest measured count there).
+_CHUNK_US = {1: 0.89, 2: 1.29}  # CTAs of block_v = 16 per SM -> us per chunk
+_COMBINE_US = 35.0
+_COMBINE_US_PER_STATE = 2.3
+
+
+def _predicted_us(*, chunks: int, tasks: int, segments: int, sms: int) -> float | None:
+    """The model's recurrence + combine time; None past two block_v = 16 CTAs per SM."""
+    per_chunk = _CHUNK_US.get(_launch.ctas_per_sm(tasks=tasks * segments, block_v=16,
+                                                  sm_count=sms))
+    if per_chunk is None:
+        return None
+    if segments == 1:
+        return chunks * per_chunk
+    return (3 * -(-chunks // segments) * per_chunk + _COMBINE_US
+            + _COMBINE_US_PER_STATE * segments * tasks)
 
 
 def planned_segments(*, num_seqs: int, heads: int, longest: int, varlen: bool,
                      sm_count: int | None = None) -> int:
-    """"auto": the largest power of two of pieces whose tasks (pieces x heads; packed input:
-    every sequence a piece, plus the cut one's) stay within _launch.fp32_short_chain_tasks and
-    whose pieces hold MIN_PIECE_TOKENS, if that is at least MIN_SEGMENTS; else 1 (serial)."""
-    fill = _launch.fp32_short_chain_tasks(sm_count) // heads
-    per_sequence = fill - (num_seqs - 1) if varlen else fill // num_seqs
-    segments = min(per_sequence, longest // MIN_PIECE_TOKENS)
-    if segments < MIN_SEGMENTS:
+    """"auto": the power-of-two piece count the time model predicts fastest, 1 (serial) included.
+    Packed input of several sequences stays serial: its longest sequence is known only at run
+    time, and every sequence runs in all three passes, cut or not."""
+    if varlen and num_seqs > 1:
         return 1
-    return 1 << (segments.bit_length() - 1)  # a power of two: the measured counts
+    sms = sm_count or _launch.gpu_sm_count()
+    chunks = -(-longest // CHUNK)
+    best, best_us = 1, _predicted_us(chunks=chunks, tasks=num_seqs * heads, segments=1, sms=sms)
+    segments = 2
+    while segments <= chunks and best_us is not None:
+        us = _predicted_us(chunks=chunks, tasks=num_seqs * heads, segments=segments, sms=sms)
+        if us is None:
+            break
+        if us < best_us:
+            best, best_us = segments, us
+        segments *= 2
+    return best
+
+

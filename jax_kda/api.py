@@ -83,10 +83,16 @@ def kda_prefill(
         exact computation, bitwise equal across column splits and runs, not bitwise FlashKDA's.
         It takes inverse="stable" and the column-split recurrence; an f32 initial state is read
         without rounding, a bf16 one widened.
-      sequence_parallel: "auto" (default: serial; the crossover is not measured yet), "off", or
-        a segment count n > 1 (numerics="fp32", batched input without cu_seqlens, pools or
-        checkpoints): each sequence is cut into n segments run side by side, exactly
-        (jax_kda._sequence_parallel); not bitwise the serial mode, equally accurate.
+      sequence_parallel: (numerics="fp32"; the default mode is always serial) "auto"
+        (default): cut long sequences where a time model of the kernels, fitted on the H200,
+        predicts it faster (batched input or one packed sequence, few heads: e.g. one head at
+        T = 32768 takes 385 instead of 1600 us);
+        "off": serial; or a piece count n: the longest sequence the call can hold (T, or the
+        packed length with cu_seqlens) is cut into n pieces of whole chunks and every sequence
+        into pieces of that length (shorter ones stay whole), run side by side and combined
+        exactly (jax_kda._sequence_parallel, docs/fp32_mode.md section 8). As accurate as the
+        serial mode, not bitwise equal to it, so "auto" results depend on the call's shapes
+        and the GPU's SM count; "off" or a fixed n does not. The reference backend plans alike.
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the

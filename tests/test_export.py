@@ -93,6 +93,23 @@ def test_export_of_the_baseline_kernel_uses_the_same_target(cuda_path_lowerable)
     assert re.findall(r"block_v = (\d+) : i32", text) == ["0"]
 
 
+def test_sequence_parallel_export_roundtrip(cuda_path_lowerable):
+    """The fp32 mode cut into pieces exports like the serial call: its CUDA part holds one fp32
+    prepare and three fp32 recurrences, its CPU part runs the reference's same segmentation."""
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+    args = make_args(seed=5, t=70)
+    cut = partial(model, numerics="fp32", sequence_parallel=3)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    exported = jax_kda.export.export(jax.jit(cut), platforms=("cuda", "cpu"))(*avals)
+    text = exported.mlir_module()
+    assert kda_targets(text) == ["jax_kda_prepare_fp32_v1", "jax_kda_recurrence_fp32_v1"]
+    assert text.count("custom_call @jax_kda_recurrence_fp32_v1(") == 3
+    got = jax_export.deserialize(exported.serialize()).call(*args)
+    want = jax.jit(partial(cut, backend="reference"))(*args)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_cpu_only_export_needs_no_disabled_checks():
     """Exported for CPU alone, backend="auto" holds only the reference: nothing to allow."""
     args = make_args(seed=3)

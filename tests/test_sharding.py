@@ -296,6 +296,30 @@ def test_cuda_lowering_runs_kernels_on_local_heads(monkeypatch, recurrence):
                 if c in text]
 
 
+@on_virtual_devices
+def test_sequence_parallel_shards_over_heads(monkeypatch):
+    """The fp32 mode cut into pieces: head-sharded equals unsharded (reference, bit for bit),
+    and the CUDA lowering runs one fp32 prepare and three fp32 recurrences on the local heads
+    without collectives."""
+    mesh = head_mesh()
+    args = make_args(t=70, seed=6, state_dtype=jnp.float32)
+    options = dict(output_final_state=True, numerics="fp32", sequence_parallel=3)
+    fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
+                         backend="reference", **options))
+    want = jax.jit(partial(jax_kda.kda_prefill, backend="reference", **options))(**args)
+    assert_bitwise(fn(**put_head_sharded(args, mesh)), want)
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    kernel = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, backend="kernel", **options))
+    text = kernel.trace(**put_head_sharded(args, mesh)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    local = H // DEVICES
+    assert len(re.findall(rf"custom_call @jax_kda_prepare_fp32_v1\(.*tensor<{B * 70}x{local}x128xbf16>",
+                          text)) == 1
+    assert text.count("custom_call @jax_kda_recurrence_fp32_v1(") == 3
+    assert not [c for c in ("all_gather", "all_to_all", "collective_permute", "all_reduce")
+                if c in text]
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 
