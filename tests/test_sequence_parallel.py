@@ -220,3 +220,21 @@ def test_auto_cuts_one_head_and_not_eight(monkeypatch):
     problem = jax_kda._checks.Problem(1, 8192, 1, 1, False, np.dtype("float32"), 1.0, -5.0,
                                       numerics="fp32", plan_segments=True)
     assert _sequence_parallel.resolved_length(problem, sm_count=132) == 8192 // 16
+
+
+def test_both_combines_give_each_pieces_true_end_state():
+    """combine (associative and serial) against the affine maps applied one piece at a time in
+    float64, with restarts at each sequence's first piece."""
+    rng = np.random.default_rng(8)
+    first = np.array([1, 0, 0, 1, 1, 0, 0, 0], bool)
+    m = np.eye(128) + 0.05 * rng.standard_normal((8, 2, 128, 128))
+    e = rng.standard_normal((8, 2, 128, 128))
+    want, state = [], None
+    for p in range(8):
+        state = e[p] if first[p] else state @ m[p] + e[p]
+        want.append(state)
+    want = np.stack(want)
+    for method in _sequence_parallel.COMBINES:
+        got = jax.jit(lambda *x, method=method: _sequence_parallel.combine(*x, method=method))(
+            jnp.asarray(first), jnp.asarray(m, jnp.float32), jnp.asarray(e, jnp.float32))
+        assert rel(got, want) <= 1e-6, (method, rel(got, want))
