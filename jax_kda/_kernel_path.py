@@ -77,7 +77,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
             functools.partial(_segmented, q, k, v, g, beta, A_log, dt_bias, cu, problem=problem,
                               options=options, length=length),
             v, cu, state, state_indices, problem=problem)
-    launch = _launch.resolve(options.launch, num_seqs=N, heads=H, numerics=problem.numerics)
+    plain = problem.pool_rows is None and problem.checkpoint_every is None
+    launch = _launch.resolve(options.launch, num_seqs=N, heads=H, numerics=problem.numerics,
+                             tokens=B * T, baseline_allowed=plain)
     workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem,
                                   inverse=options.inverse)
     if problem.numerics == "fp32" and problem.pool_rows is not None:
@@ -85,7 +87,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
             functools.partial(plain_recurrence, v, beta, workspace, cu, problem=problem,
                               launch=launch),
             v, cu, state, state_indices, problem=problem)
-    if problem.pool_rows is None and problem.checkpoint_every is None:
+    if plain:
         out, final = plain_recurrence(v, beta, workspace, cu, state, problem=problem,
                                       launch=launch)
         return vary_like(out, v), vary_like(final, v), None

@@ -17,7 +17,7 @@ import jax
 
 from .contract import COLUMN_SPLITS, HEAD_DIM
 
-RECURRENCE_KERNELS = ("column_split", "baseline")
+RECURRENCE_KERNELS = ("auto", "column_split", "baseline")
 _DEFAULT_SM_COUNT = 132  # H200; used only when no GPU is visible at trace time
 
 # Measured on the H200 (benchmarks/results/h200-heuristic-grid-20261129.json: recurrence alone,
@@ -29,15 +29,23 @@ _DEFAULT_SM_COUNT = 132  # H200; used only when no GPU is visible at trace time
 # chunk's inputs among 64 columns, and two of its CTAs per SM beat one block_v = 128 CTA: 730 vs
 # 750 us for the same 128 columns).
 _MAX_CTAS_PER_SM_AT_16 = 2
+# The baseline kernel (benchmarks/results/h200-20261201-grid-baseline-short.json, -8k.json): with
+# sequences of <= 1024 tokens on average and more (sequence, head) tasks than SMs it was the
+# fastest in every measured cell (192 .. 3072 tasks: 1.05-1.32x ahead of block_v = 64); at 96
+# tasks block_v = 64 still won (104 vs 119 us), and wherever sequences were longer (a packed mix
+# with one of 3063 tokens, 8192-token sequences) a column split won or tied: the baseline's
+# per-chunk step is the slower one, so a long sequence sets its time.
+_BASELINE_MAX_MEAN_TOKENS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class RecurrenceLaunch:
     """kernel: "column_split" (each head's 128 value columns over 128 / column_split CTAs, state
-    in registers) or "baseline" (one CTA per (sequence, head), state in shared memory).
-    column_split: value columns per CTA; None until resolved (always None for "baseline")."""
+    in registers), "baseline" (one CTA per (sequence, head), state in shared memory) or "auto"
+    (either, chosen by `resolve`). column_split: value columns per CTA; None until resolved
+    (always None for "baseline")."""
 
-    kernel: str = "column_split"
+    kernel: str = "auto"
     column_split: int | None = None
 
     @property
@@ -69,17 +77,34 @@ def requested(recurrence: str, column_split) -> RecurrenceLaunch:
             f"kda_prefill: column_split={column_split!r} applies to recurrence='column_split' "
             "only; recurrence='baseline' runs one CTA per (sequence, head): leave column_split=None"
         )
+    if recurrence == "auto" and column_split is not None:
+        recurrence = "column_split"  # a column split names the column-split kernel
     return RecurrenceLaunch(recurrence, column_split)
 
 
 def resolve(launch: RecurrenceLaunch, *, num_seqs: int, heads: int,
-            sm_count: int | None = None, numerics: str = "flashkda") -> RecurrenceLaunch:
-    """`launch` with its column split fixed by the heuristic where the caller left it open."""
+            sm_count: int | None = None, numerics: str = "flashkda", tokens: int | None = None,
+            baseline_allowed: bool = False) -> RecurrenceLaunch:
+    """`launch` with its kernel and column split fixed by the heuristic where the caller left
+    them open. "auto" may become the baseline kernel only where the call allows it
+    (baseline_allowed: a plain flashkda-mode prefill, no pool or checkpoints) and `tokens` (all
+    sequences together) is known; otherwise it is the column split."""
     if launch.resolved:
         return launch
-    return dataclasses.replace(
-        launch, column_split=choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sm_count,
-                                            numerics=numerics))
+    if (launch.kernel == "auto" and baseline_allowed and numerics == "flashkda"
+            and tokens is not None and prefers_baseline(num_seqs=num_seqs, heads=heads,
+                                                        tokens=tokens, sm_count=sm_count)):
+        return RecurrenceLaunch("baseline")
+    return RecurrenceLaunch("column_split", choose_block_v(
+        num_seqs=num_seqs, heads=heads, sm_count=sm_count, numerics=numerics))
+
+
+def prefers_baseline(*, num_seqs: int, heads: int, tokens: int,
+                     sm_count: int | None = None) -> bool:
+    """The baseline kernel wins on the H200 where short sequences (<= 1024 tokens on average)
+    give more (sequence, head) tasks than SMs (_BASELINE_MAX_MEAN_TOKENS)."""
+    sms = sm_count or gpu_sm_count()
+    return (tokens <= _BASELINE_MAX_MEAN_TOKENS * num_seqs and num_seqs * heads > sms)
 
 
 @functools.cache

@@ -40,7 +40,7 @@ def kda_prefill(
     inverse="stable",
     backend="auto",
     column_split=None,
-    recurrence="column_split",
+    recurrence="auto",
     state_indices=None,
     checkpoint_every=None,
     numerics="flashkda",
@@ -64,10 +64,13 @@ def kda_prefill(
       backend: "auto" (GPU kernels on CUDA when built, else the reference, decided per platform
         at lowering), "kernel" (raise if unavailable) or "reference" (pure JAX, differentiable).
       column_split: None (launch heuristic) or value columns per CTA in {16, 32, 64, 128}.
-      recurrence: which recurrence kernel: "column_split" (default; each head's value columns
-        split over 128 / column_split CTAs) or "baseline" (one CTA per (sequence, head), state in
-        shared memory; column_split must then be None; no pools or checkpoints). All give
-        bitwise the same results; the reference backend ignores it.
+      recurrence: which recurrence kernel: "auto" (default: the baseline kernel for plain
+        flashkda-mode prefill of short sequences, <= 1024 tokens on average, with more
+        (sequence, head) pairs than SMs, where it was measured fastest; else the column split),
+        "column_split" (each head's value columns split over 128 / column_split CTAs; implied by
+        a column_split value) or "baseline" (one CTA per (sequence, head), state in shared
+        memory; column_split must then be None; no pools or checkpoints). All give bitwise the
+        same results; the reference backend ignores it.
       state_indices: None, or int32 [N]: sequence n starts from row state_indices[n] of the pool
         `initial_state` and its final state is written back to that row (in place when the pool
         is donated); other rows are untouched. A negative index marks a padding slot: no row is

@@ -186,7 +186,7 @@ def test_bad_column_split(bv):
 
 @pytest.mark.parametrize("recurrence", ["flashkda", "Baseline", None, 0])
 def test_bad_recurrence(recurrence):
-    with pytest.raises(ValueError, match=r"recurrence must be one of \('column_split', 'baseline'\)"):
+    with pytest.raises(ValueError, match=r"recurrence must be one of \('auto', 'column_split', 'baseline'\)"):
         call(make_args(), recurrence=recurrence)
 
 

@@ -147,6 +147,31 @@ def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, column_spli
     assert baseline["jax_kda_prepare_v1"] == lower()["jax_kda_prepare_v1"]
 
 
+def test_default_recurrence_runs_the_baseline_for_many_short_sequences(monkeypatch):
+    """recurrence="auto" (the default): 48 sequences of 64 tokens x 4 heads (192 pairs on a
+    132-SM H200, <= 1024 tokens each) lower to the baseline kernel; the same call on a state pool
+    (which the baseline kernel does not serve) to the column split."""
+    import jax_kda
+    from jax_kda import api
+
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    monkeypatch.setattr(jax_kda._launch, "gpu_sm_count", lambda: 132)
+    B, T, H = 48, 64, 4
+    S = jax.ShapeDtypeStruct
+    args = [S((B, T, H, 128), BF16)] * 4 + [S((B, T, H), BF16), S((H,), F32), S((H, 128), F32)]
+    pool = S((B, H, 128, 128), BF16)
+
+    def lower(**options):
+        fn = lambda *a, **kw: jax_kda.kda_prefill(*a, **kw, backend="kernel",
+                                                  output_final_state=True)
+        return jax.jit(fn).trace(*args, **options).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert f"block_v = {contract.BASELINE_BLOCK_V} : i32" in _custom_calls(lower())[
+        "jax_kda_recurrence_v1"]
+    pooled = lower(initial_state=pool, state_indices=S((B,), jnp.int32))
+    assert re.findall(r"block_v = (\d+) : i32", pooled) == ["64"]
+
+
 def test_final_state_aliases_initial_state_on_request():
     aliased = _custom_calls(_lower_both(40, 2, 2))["jax_kda_recurrence_v1"]
     assert re.search(r"output_operand_alias<output_tuple_indices = \[1\], operand_index = 4,",

@@ -74,7 +74,7 @@ def _kda_prefill_launch(block_v) -> tuple[str, int | None]:
     """(recurrence, column_split) of kda_prefill for a variant's block_v (int, AUTO, BASELINE)."""
     if block_v == BASELINE:
         return "baseline", None
-    return "column_split", None if block_v == AUTO else block_v
+    return ("auto", None) if block_v == AUTO else ("column_split", block_v)
 
 
 def _scalars(opts: dict) -> dict:
@@ -182,7 +182,8 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
 
     requested = _launch.requested(*_kda_prefill_launch(variant.block_v))
     launch = _launch.resolve(requested, num_seqs=case.num_seqs, heads=case.heads,
-                             numerics=variant.numerics)
+                             numerics=variant.numerics, tokens=case.tokens,
+                             baseline_allowed=True)  # plain prefill, as kda_prefill resolves it
     info = {"block_v_used": "baseline" if launch.kernel == "baseline" else launch.column_split}
     kernel_choice = ({"recurrence": "baseline"} if launch.kernel == "baseline"
                      else {"column_split": launch.column_split})
