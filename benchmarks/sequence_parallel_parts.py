@@ -19,14 +19,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+from heuristic_grid import device_inputs  # beside this file
 
 import jax_kda
 from jax_kda import _ffi, _launch, _sequence_parallel, contract
 from jax_kda._launch import RecurrenceLaunch
 from jax_kda.bench import timing
-
-from heuristic_grid import device_inputs  # beside this file
-
 
 # the combine's products: f32 (the library's) and three bf16 MMAs (the kernels' own hi/lo
 # arithmetic), timed for comparison

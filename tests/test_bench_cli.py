@@ -780,8 +780,8 @@ def test_compare_jla_is_timed_in_the_jax_chain(monkeypatch, tmp_path):
 
 
 def test_sequence_parallel_variants_of_the_long_context_preset(capsys):
-    from jax_kda.bench import cli
     from jax_kda.bench import cases as cases_mod
+    from jax_kda.bench import cli
     from jax_kda.bench.jax_variants import Variant, unavailable_reason
 
     code = cli.main(["--preset", "long-context", "--numerics", "flashkda,fp32", "--variants",

@@ -22,6 +22,7 @@ import types
 
 import numpy as np
 import pytest
+from c_export import wrapper_arguments
 
 pytest.importorskip("cutlass")
 dec = pytest.importorskip("jax_kda.kernels.decode")
@@ -89,7 +90,7 @@ SIM_CASES = [(t, dt, st) for t in (1, 3) for dt in ("bf16", "f32") for st in (Fa
 def test_chunk_step_on_the_simt_emulator_is_the_matrix_math(t, state_dtype, intermediate, monkeypatch):
     esz = rec.STATE_ELEM_BYTES[state_dtype]
     rng = np.random.default_rng(100 * t + 10 * esz + intermediate)
-    N, H, n, head, T = 3, 2, 1, 1, t
+    _N, H, n, head, T = 3, 2, 1, 1, t
     S = rng.standard_normal((128, 128))
     kd, qd, ki = (rng.standard_normal((16, 128)) for _ in range(3))
     gt = rng.uniform(0.1, 1.0, 128)
@@ -362,17 +363,9 @@ def test_compiles_without_spills(inverse, state_dtype, intermediate, arch, tmp_p
 
 @pytest.mark.parametrize("intermediate", [False, True])
 def test_export_to_c_argument_order(intermediate, tmp_path):
-    from jax_kda._aot.build import load_dsl_runtime
-
-    load_dsl_runtime()
     compiled = dec.compile_kernel("stable", "sm_90a", state_dtype="f32", intermediate=intermediate)
     prefix = f"test_kda_decode_stable_f32{'_states' if intermediate else ''}_sm90a"
-    compiled.export_to_c(str(tmp_path), prefix, prefix)
-    header = (tmp_path / f"{prefix}.h").read_text()
-    assert (tmp_path / f"{prefix}.o").stat().st_size > 0
-    sig = re.search(rf"int32_t cute_dsl_{prefix}_wrapper\(([^)]*)\)", header)
-    assert sig, header
-    names = [p.strip().split()[-1].lstrip("*") for p in sig.group(1).split(",")]
+    names = wrapper_arguments(compiled, tmp_path, prefix)
     want = ["module", "mQ", "mK", "mV", "mG", "mBeta", "mALog", "mDtBias", "mStateIndices",
             "mPool", "mOut"] + (["mStates"] if intermediate else []) + [
         "scale", "lower_bound", "stream"]

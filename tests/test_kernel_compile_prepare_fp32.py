@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from c_export import wrapper_arguments
 
 cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
@@ -245,18 +246,8 @@ def test_sass(builds, arch, tmp_path):
 
 def test_export_to_c_without_gpu(tmp_path):
     """compiled.export_to_c works here (no GPU), with KdaPrepare's argument list."""
-    from jax_kda._aot.build import load_dsl_runtime
-
-    load_dsl_runtime()
     compiled = prepare_fp32.compile_kernel("sm_90a")
-    compiled.export_to_c(str(tmp_path), "kda_prepare_fp32_test", "kda_prepare_fp32_test")
-    header = (tmp_path / "kda_prepare_fp32_test.h").read_text()
-    assert (tmp_path / "kda_prepare_fp32_test.o").stat().st_size > 0
-    sig = re.search(r"int32_t cute_dsl_kda_prepare_fp32_test_wrapper\(([^)]*)\)", header)
-    assert sig, "wrapper prototype missing"
-    params = [p.strip() for p in sig.group(1).split(",")]
-    names = [p.split()[-1].lstrip("*") for p in params]
-    assert names == [
+    assert wrapper_arguments(compiled, tmp_path, "kda_prepare_fp32_test") == [
         "module",
         "mQ",
         "mK",

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 import pytest
+from c_export import wrapper_arguments
 
 pytest.importorskip("cutlass")
 rec = pytest.importorskip("jax_kda.kernels.recurrence")
@@ -343,27 +344,12 @@ def test_compiles_with_mma_movmatrix_and_no_spills(block_v, arch, tmp_path):
 
 
 def test_export_to_c_writes_header_and_object(tmp_path):
-    """The AOT path: export_to_c on a GPU-less machine (DSL runtime libraries loaded first)."""
-    from jax_kda._aot.build import load_dsl_runtime
-
-    load_dsl_runtime()
+    """The AOT path: export_to_c on a GPU-less machine; the FFI handler codes against this
+    argument order."""
     compiled = rec.compile_kernel(32, "sm_90a")
-    prefix = "test_kda_recurrence_bv32_sm90a"
-    compiled.export_to_c(str(tmp_path), prefix, prefix)
-    header = (tmp_path / f"{prefix}.h").read_text()
-    assert (tmp_path / f"{prefix}.o").stat().st_size > 0
-    assert f"cute_dsl_{prefix}_wrapper(" in header
-    for name in (
-        "mV",
-        "mBeta",
-        "mWorkspace",
-        "mCuSeqlens",
-        "mState0",
-        "mOut",
-        "mStateT",
-    ):
-        assert f"{prefix}_Tensor_{name}_t" in header
-    assert "cudaStream_t stream" in header
+    assert wrapper_arguments(compiled, tmp_path, "test_kda_recurrence_bv32_sm90a") == [
+        "module", "mV", "mBeta", "mWorkspace", "mCuSeqlens", "mState0", "mOut", "mStateT",
+        "stream"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -795,17 +781,8 @@ def test_pool_variant_compiles_without_spills(block_v, state_dtype, arch, tmp_pa
 
 def test_pool_variant_export_to_c_argument_order(tmp_path):
     """The serving variant's exported wrapper: the FFI handler codes against this order."""
-    from jax_kda._aot.build import load_dsl_runtime
-
-    load_dsl_runtime()
     compiled = rec.compile_kernel(32, "sm_90a", state_dtype="f32", serving=True)
-    prefix = "test_kda_recurrence_pool_f32_bv32_sm90a"
-    compiled.export_to_c(str(tmp_path), prefix, prefix)
-    header = (tmp_path / f"{prefix}.h").read_text()
-    sig = re.search(rf"int32_t cute_dsl_{prefix}_wrapper\(([^)]*)\)", header)
-    assert sig, header
-    names = [p.strip().split()[-1].lstrip("*") for p in sig.group(1).split(",")]
-    assert names == [
+    assert wrapper_arguments(compiled, tmp_path, "test_kda_recurrence_pool_f32_bv32_sm90a") == [
         "module",
         "mV",
         "mBeta",

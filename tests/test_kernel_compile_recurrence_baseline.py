@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import pytest
+from c_export import wrapper_arguments
 
 pytest.importorskip("cutlass")
 bl = pytest.importorskip("jax_kda.kernels.recurrence_baseline")
@@ -525,19 +526,12 @@ def test_compiles_with_mma_bulk_copies_mbarriers_and_no_spills(arch, tmp_path):
 
 
 def test_export_to_c_writes_header_and_object(tmp_path):
-    """The AOT path: export_to_c on a GPU-less machine, same tensor arguments as recurrence."""
-    from jax_kda._aot.build import load_dsl_runtime
-
-    load_dsl_runtime()
+    """The AOT path: export_to_c on a GPU-less machine, the column-split recurrence's arguments
+    in its order (one FFI handler launches both kernels)."""
     compiled = bl.compile_kernel("sm_90a")
-    prefix = "test_kda_recurrence_baseline_sm90a"
-    compiled.export_to_c(str(tmp_path), prefix, prefix)
-    header = (tmp_path / f"{prefix}.h").read_text()
-    assert (tmp_path / f"{prefix}.o").stat().st_size > 0
-    for name in ("mV", "mBeta", "mWorkspace", "mCuSeqlens", "mState0", "mOut"):
-        assert f"{prefix}_Tensor_{name}_t" in header
-    assert f"{prefix}_Tensor_mStateT_t" in header
-    assert "cudaStream_t stream" in header
+    assert wrapper_arguments(compiled, tmp_path, "test_kda_recurrence_baseline_sm90a") == [
+        "module", "mV", "mBeta", "mWorkspace", "mCuSeqlens", "mState0", "mOut", "mStateT",
+        "stream"]
 
 
 def test_protocol_model_detects_a_wrong_parity(monkeypatch):

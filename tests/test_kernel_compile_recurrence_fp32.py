@@ -30,14 +30,15 @@ import types
 
 import numpy as np
 import pytest
+from c_export import wrapper_arguments
 
 pytest.importorskip("cutlass")
 fp32 = pytest.importorskip("jax_kda.kernels.recurrence_fp32")
-from kernel_sim import LANES, Pair, SimtValues, cuda_tool, single_cubin  # noqa: E402
+from kernel_sim import Pair, SimtValues, cuda_tool, single_cubin
 
-from jax_kda import contract  # noqa: E402
-from jax_kda.kernels import recurrence as rec  # noqa: E402
-from jax_kda.kernels import recurrence_common as common  # noqa: E402
+from jax_kda import contract
+from jax_kda.kernels import recurrence as rec
+from jax_kda.kernels import recurrence_common as common
 
 F32_MIN_NORMAL = 2.0**-126
 
@@ -231,17 +232,17 @@ def _workspace(rng, n_chunks, n_valid_last):
     beta = rng.standard_normal((n_chunks, 16)).astype(np.float32)
     A_log = np.log(rng.uniform(1, 16, ())).astype(np.float32)
     dt_bias = rng.standard_normal(128).astype(np.float32)
-    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
     ws = reference_fp32.prepare_reference_fp32(
         bf(q), bf(k), bf(g), bf(beta), jnp.asarray(A_log), jnp.asarray(dt_bias),
         scale=128**-0.5, lower_bound=-5.0, valid=jnp.asarray(valid),
     )
-    f = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
-    fields = dict(
-        kd_hi=f(ws.kd.hi), qd_hi=f(ws.qd.hi), qd_lo=f(ws.qd.lo), kr_hi=f(ws.kr.hi),
-        kr_lo=f(ws.kr.lo), gt=f(ws.gt), inv_hi=f(ws.inv.hi), inv_lo=f(ws.inv.lo),
-        mqk_hi=f(ws.mqk.hi), mqk_lo=f(ws.mqk.lo),
-    )
+    f = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    fields = {
+        "kd_hi": f(ws.kd.hi), "qd_hi": f(ws.qd.hi), "qd_lo": f(ws.qd.lo), "kr_hi": f(ws.kr.hi),
+        "kr_lo": f(ws.kr.lo), "gt": f(ws.gt), "inv_hi": f(ws.inv.hi), "inv_lo": f(ws.inv.lo),
+        "mqk_hi": f(ws.mqk.hi), "mqk_lo": f(ws.mqk.lo),
+    }
     return ws, fields, f(bf(beta)), valid
 
 
@@ -475,7 +476,7 @@ def test_chunk_loop_on_the_emulator_is_the_model_bitwise(block_v, n_tiles, k_spl
 def test_emulator_catches_a_missing_pair_barrier(monkeypatch):
     """Without the named barriers, the partner's P half is read unordered with its write."""
     rng = np.random.default_rng(7)
-    _, fields, logits, valid, S0, v = _inputs(rng, 1, 16)
+    _, fields, logits, _valid, S0, v = _inputs(rng, 1, 16)
     with pytest.raises(AssertionError, match="RAW race"):
         run_cta(16, None, None, S0, fields, v, logits, 1, 16, monkeypatch,
                 drop_named_barriers=True)
@@ -722,15 +723,7 @@ def test_compiles_without_local_memory(block_v, n_tiles, k_split, arch, tmp_path
 
 def test_export_to_c_argument_order(tmp_path):
     """The exported wrapper's arguments: the FFI handler codes against this order."""
-    from jax_kda._aot.build import load_dsl_runtime
-
-    load_dsl_runtime()
     compiled = fp32.compile_kernel(32, "sm_90a")
-    prefix = "test_kda_recurrence_fp32_bv32_sm90a"
-    compiled.export_to_c(str(tmp_path), prefix, prefix)
-    header = (tmp_path / f"{prefix}.h").read_text()
-    sig = re.search(rf"int32_t cute_dsl_{prefix}_wrapper\(([^)]*)\)", header)
-    assert sig, header
-    names = [p.strip().split()[-1].lstrip("*") for p in sig.group(1).split(",")]
-    assert names == ["module", "mV", "mBeta", "mWorkspace", "mCuSeqlens", "mState0", "mOut",
-                     "mStateT", "stream"]
+    assert wrapper_arguments(compiled, tmp_path, "test_kda_recurrence_fp32_bv32_sm90a") == [
+        "module", "mV", "mBeta", "mWorkspace", "mCuSeqlens", "mState0", "mOut", "mStateT",
+        "stream"]

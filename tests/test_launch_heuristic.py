@@ -108,10 +108,10 @@ def test_auto_with_the_baseline_kernel_against_its_grid():
 
 
 def test_auto_picks_the_baseline_only_for_plain_bf16_mode_prefill():
-    short = dict(num_seqs=32, heads=12, tokens=32 * 1024, sm_count=132)
+    short = {"num_seqs": 32, "heads": 12, "tokens": 32 * 1024, "sm_count": 132}
     auto = _launch.requested("auto", None)
     assert _launch.resolve(auto, **short, baseline_allowed=True).kernel == "baseline"
-    for other in (dict(baseline_allowed=False), dict(baseline_allowed=True, numerics="fp32")):
+    for other in ({"baseline_allowed": False}, {"baseline_allowed": True, "numerics": "fp32"}):
         assert _launch.resolve(auto, **short, **other) == _launch.RecurrenceLaunch(
             "column_split", _launch.choose_block_v(num_seqs=32, heads=12, sm_count=132,
                                                    numerics=other.get("numerics", "flashkda")))

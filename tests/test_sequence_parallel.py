@@ -7,6 +7,7 @@ to one fp32 prepare and three fp32 recurrences; bad arguments fail naming sequen
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
@@ -69,10 +70,10 @@ def test_segments_hold_whole_chunks_and_cover_the_sequence():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(sequence_parallel=4), "numerics='fp32'"),
-    (dict(sequence_parallel=0, numerics="fp32"), "segment count"),
-    (dict(sequence_parallel=True, numerics="fp32"), "segment count"),
-    (dict(sequence_parallel="on", numerics="fp32"), "sequence_parallel must be"),
+    ({"sequence_parallel": 4}, "numerics='fp32'"),
+    ({"sequence_parallel": 0, "numerics": "fp32"}, "segment count"),
+    ({"sequence_parallel": True, "numerics": "fp32"}, "segment count"),
+    ({"sequence_parallel": "on", "numerics": "fp32"}, "sequence_parallel must be"),
 ])
 def test_bad_arguments_name_sequence_parallel(bad, message):
     a = regimes.make_inputs(np.random.default_rng(0), 16, 1)
@@ -165,7 +166,7 @@ def test_pieces_cover_each_sequence_with_whole_chunks():
         piece_cu, owner, first, last = (np.asarray(x) for x in _sequence_parallel.pieces(
             jnp.asarray(cu), capacity=capacity, length=length))
         assert piece_cu[0] == 0 and piece_cu[-1] == cu[-1] and np.all(np.diff(piece_cu) >= 0)
-        for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])):
+        for n, (bos, eos) in enumerate(itertools.pairwise(cu)):
             mine = np.flatnonzero((owner == n) & (np.arange(capacity) <= last[n]))
             mine = mine[piece_cu[mine] >= bos]
             assert first[mine[0]] and not first[mine[1:]].any()

@@ -303,7 +303,7 @@ def test_sequence_parallel_shards_over_heads(monkeypatch):
     without collectives."""
     mesh = head_mesh()
     args = make_args(t=70, seed=6, state_dtype=jnp.float32)
-    options = dict(output_final_state=True, numerics="fp32", sequence_parallel=3)
+    options = {"output_final_state": True, "numerics": "fp32", "sequence_parallel": 3}
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
                          backend="reference", **options))
     want = jax.jit(partial(jax_kda.kda_prefill, backend="reference", **options))(**args)
