@@ -16,12 +16,13 @@ def make_args(b=B, t=T, h=H, seed=0):
     def bf16(*shape):
         return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
-    return dict(
-        q=bf16(b, t, h, 128), k=bf16(b, t, h, 128), v=bf16(b, t, h, 128), g=bf16(b, t, h, 128),
-        beta=bf16(b, t, h),
-        A_log=jnp.asarray(rng.uniform(-2, 1, h), jnp.float32),
-        dt_bias=jnp.asarray(rng.standard_normal((h, 128)), jnp.float32),
-    )
+    return {
+        "q": bf16(b, t, h, 128), "k": bf16(b, t, h, 128), "v": bf16(b, t, h, 128),
+        "g": bf16(b, t, h, 128),
+        "beta": bf16(b, t, h),
+        "A_log": jnp.asarray(rng.uniform(-2, 1, h), jnp.float32),
+        "dt_bias": jnp.asarray(rng.standard_normal((h, 128)), jnp.float32),
+    }
 
 
 def call(args, **kw):
