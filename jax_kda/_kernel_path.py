@@ -131,24 +131,18 @@ def _segmented(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: Problem,
                options: PrefillOptions, length: int):
     """(out, final state) of the fp32 mode with long sequences cut into pieces of `length`
     tokens (jax_kda._sequence_parallel): one prepare kernel, three recurrence kernels."""
-    N, H = problem.num_seqs, problem.heads
-    capacity = _sequence_parallel.piece_capacity(
-        num_seqs=N, total_tokens=problem.batch * problem.seqlen, varlen=problem.varlen,
-        length=length)
-    launch = _launch.resolve(options.launch, num_seqs=capacity, heads=H, numerics="fp32")
-
     def prepare(piece_cu):
         return prepare_workspace(q, k, g, beta, A_log, dt_bias, piece_cu, problem=problem,
                                  inverse=options.inverse)
 
     def recurrence(workspace, values, piece_cu, states):
+        launch = _launch.resolve(options.launch, num_seqs=states.shape[0], heads=problem.heads,
+                                 numerics="fp32")  # the pieces are the kernel's sequences
         return _ffi.recurrence_call(_flat(values), _flat(beta), workspace, piece_cu, states,
                                     launch=launch, numerics="fp32")
 
-    state0 = (_sequence_parallel.zero_state(N, H) if state is None
-              else state.astype(jnp.float32))
-    out, final = _sequence_parallel.prefill(prepare, recurrence, v, state0, cu, length=length,
-                                            capacity=capacity)
+    out, final = _sequence_parallel.prefill(prepare, recurrence, v, state, cu, problem=problem,
+                                            length=length)
     return out.reshape(v.shape), final.astype(problem.state_dtype)
 
 

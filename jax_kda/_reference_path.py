@@ -55,9 +55,7 @@ def _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu, *, problem: Prob
     length = _sequence_parallel.resolved_length(problem)
     if length is None:
         return run(q, k, v, g, beta, A_log, dt_bias, initial_state=state0, cu_seqlens=cu)
-    B, T, H = problem.batch, problem.seqlen, problem.heads
-    if cu is None:
-        cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+    B, T = problem.batch, problem.seqlen
     packed = lambda x: x.reshape((1, B * T) + x.shape[2:])
     q1, k1, g1, beta1 = (packed(x) for x in (q, k, g, beta))
 
@@ -65,14 +63,8 @@ def _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu, *, problem: Prob
         return run(q1, k1, values, g1, beta1, A_log, dt_bias, initial_state=states,
                    cu_seqlens=piece_cu)
 
-    state0 = (_sequence_parallel.zero_state(problem.num_seqs, H) if state0 is None
-              else state0.astype(jnp.float32))
-    capacity = _sequence_parallel.piece_capacity(
-        num_seqs=problem.num_seqs, total_tokens=B * T, varlen=problem.varlen,
-        length=length)
     out, final = _sequence_parallel.prefill(lambda piece_cu: None, recurrence, packed(v), state0,
-                                            cu.astype(jnp.int32), length=length,
-                                            capacity=capacity)
+                                            cu, problem=problem, length=length)
     return out.reshape(v.shape), final
 
 

@@ -94,16 +94,24 @@ def pieces(cu, *, capacity: int, length: int):
     return piece_cu, owner, used & (rank == 0), (ends - 1).astype(jnp.int32)
 
 
-def prefill(prepare, recurrence, v, state0, cu, *, length: int, capacity: int):
-    """(out, final states f32 [N, H, 128, 128]) of the fp32 mode with long sequences cut into
-    pieces of `length` tokens.
+def prefill(prepare, recurrence, v, state, cu, *, problem, length: int):
+    """(out, final states f32 [N, H, 128, 128]) of the fp32 mode for `problem`
+    (jax_kda._checks.Problem) with long sequences cut into pieces of `length` tokens.
 
     prepare(piece_cu) -> workspace (any value) for the pieces as packed sequences;
-    recurrence(workspace, v, piece_cu, states f32 [capacity, H, 128, 128]) -> (out, end states
-    f32 [capacity, H, 128, 128]). v: the values in the caller's layout (only zeroed here);
-    state0: f32 [N, H, 128, 128]; cu: int32 [N + 1]."""
-    piece_cu, owner, first, last = pieces(cu, capacity=capacity, length=length)
-    H = state0.shape[1]
+    recurrence(workspace, v, piece_cu, states f32 [P, H, 128, 128]) -> (out, end states f32
+    [P, H, 128, 128]), P = piece_capacity. v: the values in the caller's layout (only zeroed
+    here); state: None (zeros) or [N, H, 128, 128] (an f32 one is read as it is, bf16 widened);
+    cu: None (batched input) or int32 [N + 1]."""
+    N, H = problem.num_seqs, problem.heads
+    if cu is None:
+        cu = jnp.arange(N + 1, dtype=jnp.int32) * problem.seqlen
+    capacity = piece_capacity(num_seqs=N, total_tokens=problem.batch * problem.seqlen,
+                              varlen=problem.varlen, length=length)
+    piece_cu, owner, first, last = pieces(cu.astype(jnp.int32), capacity=capacity,
+                                          length=length)
+    state0 = (jnp.zeros((N, H, HEAD_DIM, HEAD_DIM), jnp.float32) if state is None
+              else state.astype(jnp.float32))
     state0 = vary_like(state0, v)  # under shard_map: states made here vary like the inputs
     as_state = lambda mask: mask[:, None, None, None]
     workspace = prepare(piece_cu)
@@ -149,11 +157,6 @@ def combine(first, transports, zero_start_ends, *, method: str = "associative",
                 jnp.where(keep, e_b, matmul(e_a, m_b) + e_b))
 
     return lax.associative_scan(compose, (first, transports, zero_start_ends))[2]
-
-
-def zero_state(num_seqs: int, heads: int):
-    """The zero f32 initial state of num_seqs sequences."""
-    return jnp.zeros((num_seqs, heads, HEAD_DIM, HEAD_DIM), jnp.float32)
 
 
 def longest(problem) -> int:

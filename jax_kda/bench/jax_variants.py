@@ -125,7 +125,7 @@ def compute_workspace(prepare, prepare_args):
     return jax.block_until_ready(jax.jit(prepare)(*prepare_args))
 
 
-def unavailable_reason(variant: Variant, inverse: str, case=None) -> str | None:
+def unavailable_reason(variant: Variant, inverse: str) -> str | None:
     """Why kda_prefill has no such variant (None: it has), known before any input is made."""
     if variant.numerics == FLASHKDA:
         return None
@@ -159,7 +159,7 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
 
     from .. import kda_prefill
 
-    why_not = unavailable_reason(variant, inverse, case)
+    why_not = unavailable_reason(variant, inverse)
     if why_not:
         raise VariantUnavailable(why_not)
     opts = _options(case, inverse)
