@@ -46,9 +46,9 @@ ex2(G_r) that record_decays writes on request: the same ex2.approx instruction o
 operand as the prefill's gt = ex2(G_15) of the shorter sequence.
 
 CTA shape: one CTA of 128 threads (4 warps) per (n, h), grid (N, H, 1). The prepare phases are
-written for 128 threads (thread = column in phase B, warps 0 / 1 for the inverse / Mqk), and 4
-warps x 32 value columns (4 n-tiles, like recurrence_baseline.py) cover the recurrence step
-without idle warps. Column-split CTAs would repeat the whole prepare work per slice; 8 warps
+written for 128 threads (a column pair on 8 rows per thread in phase B, warps 0 / 1 for the
+inverse / Mqk), and 4 warps x 32 value columns (4 n-tiles, like recurrence_baseline.py) cover the
+recurrence step without idle warps. Column-split CTAs would repeat the whole prepare work per slice; 8 warps
 would leave half of them idle through prepare and, at <= 85 registers for three CTAs of 256
 threads, not fit the step; so the lever is CTAs per SM, i.e. shared memory.
 

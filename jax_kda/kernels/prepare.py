@@ -5,30 +5,33 @@ binary search over cu_seqlens (docs/kernel_abi.md "Chunk slots"), exits when
 the slot belongs to no chunk, and otherwise writes one 13,824-byte workspace
 record (layout in jax_kda/kernels/workspace_layout.py).
 
-Work split, chosen so that the thread structure is SPEC's rounding order:
+Work split, chosen so that the thread structure is SPEC's rounding order and every shared
+access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, then DRAM):
   A. All global loads are issued first: 16-byte vectors, a warp reads two
      256-byte rows; rows past the sequence end re-read the last valid row (in
      bounds) and are zeroed in registers. L2 norm: thread t owns the 8-value
      group (t % 16) of rows t // 16 and t // 16 + 8; the 16 lanes of a row
      combine their partial sums with shfl.bfly 8, 4, 2, 1.
-  B. Gate, cumsum and decays: thread d owns column d and walks the 16 rows
-     sequentially (SPEC's running f32 sum).
+  B. Gate, cumsum and decays: thread t owns the column pair 2 (t % 64), +1 on
+     rows 8 (t // 64) .. +7 (bf16x2 accesses); each column's running f32 sum
+     still adds its 16 gates in row order (the first half hands its partial
+     sum to the second through shared memory). kd, qd and kr go straight to
+     the global record (qd, kd also to shared memory for phase C).
   C. Warp 0: L = kd.ki^T and the 16x16 inverse; warp 1: Mqk = qd.ki^T
-     (mma.sync m16n8k16 through shared memory, k-blocks ascending); warps 2-3
-     meanwhile store kd, qd, kr, gt of the staged record (16-byte vectors).
-  D. Threads 0-63 store INV and Mqk.
-The record is staged in shared memory byte-exact (swizzled rows included);
-about 30 KB of shared memory per CTA, so up to 7 CTAs per SM.
+     (mma.sync m16n8k16 through shared memory, k-blocks ascending).
+  D. Threads 0-95 store gt, INV and Mqk from the shared record.
+About 26 KB of shared memory per CTA (ki takes the shared record's unused kr
+bytes), so up to 8 CTAs per SM.
 
-Phases A0-A, B and C minus the global stores are the methods record_inputs,
-record_normalize, record_decays and record_inverse_mqk (a ChunkRecord carries
-what one hands the next); KdaPrepare.kernel calls them in that order around
-its stores, and the fused decode kernel (decode.py) calls the same methods, so
-both build bitwise the same record. Two options exist for the decode kernel
-only, and their defaults emit exactly the prepare kernel's instructions:
-record_inputs(smem_base=...) places the shared memory at RECORD_SMEM offsets
-of a caller's region, record_decays(gt_rows=...) also writes ex2(G_r) of every
-row.
+Phases A0-A, B and C are the methods record_inputs, record_normalize,
+record_decays and record_inverse_mqk (a ChunkRecord carries what one hands the
+next); KdaPrepare.kernel calls them in that order around its stores, and the
+fused decode kernel (decode.py) calls the same methods, so both build bitwise
+the same record. Their options say who keeps what: the prepare kernel passes
+record_inputs(kr_to_global=True) and record_decays(g_record=...) (kd, qd, kr
+written out in phase B); the decode kernel keeps the whole record in shared
+memory, at RECORD_SMEM offsets of its own region (record_inputs(smem_base=...)),
+and asks record_decays(gt_rows=...) for ex2(G_r) of every row.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from . import workspace_layout as wl
 from .compile_utils import compile_for_arch, fake_stream, fake_tensor, symbol
 from .ptx import (
     LOG2E,
-    bf16_mul,
     bf16_to_f32,
     bf16x2_hi_to_f32,
     bf16x2_lo_to_f32,
@@ -60,9 +62,13 @@ from .ptx import (
     fmul,
     fneg,
     gate_scale_from_lower_bound,
+    ld_shared_b32,
+    mul_bf16x2,
     pack_bf16x2,
     rsqrt_approx,
     sigmoid,
+    st_global_b32,
+    st_shared_b32,
 )
 from .recurrence_common import sequence_start
 
@@ -78,7 +84,7 @@ RECORD_SMEM = {"record": 0, "ki": wl.RECORD_BYTES}
 RECORD_SMEM["beta"] = RECORD_SMEM["ki"] + CHUNK * D * 2
 RECORD_SMEM["stage"] = (RECORD_SMEM["beta"] + CHUNK * 4 + 127) // 128 * 128
 RECORD_SMEM_BYTES = RECORD_SMEM["stage"] + 3 * CHUNK * D * 2
-# phase C's scratch in the staging area: stable 6, neumann 9 tiles of 16 x 16 16-bit values
+# phase C's scratch in the staging area: stable 7, neumann 9 tiles of 16 x 16 16-bit values
 INVERSE_SCRATCH_BYTES = 9 * CHUNK * CHUNK * 2
 
 
@@ -87,6 +93,11 @@ def _swizzled_tile_layout():
     return cute.make_composed_layout(
         cute.make_swizzle(3, 3, 4), 0, cute.make_layout((CHUNK, D), stride=(D, 1))
     )
+
+
+def _swizzled_byte_offset(r, c):
+    """Byte offset of element (r, c) in _swizzled_tile_layout() (c even: (c, c + 1) is one word)."""
+    return (r * D + (((c // 8) ^ (r % 8)) * 8) + c % 8) * 2
 
 
 def _row_major(rows, cols):
@@ -180,23 +191,22 @@ class KdaPrepare:
             row0 = bos + chunk * CHUNK
             n_valid = cutlass.min(eos - row0, CHUNK)
             rec = self.record_inputs(
-                _PackedRows(row0, head, mBeta), mQ, mK, mG, mALog, mDtBias, head, n_valid, tid
+                _PackedRows(row0, head, mBeta), mQ, mK, mG, mALog, mDtBias, head, n_valid, tid,
+                kr_to_global=True,
             )
             self.record_normalize(rec)
-            self.record_decays(rec, scale, lower_bound)
-
-            # ---- C. warp 0: inverse, warp 1: Mqk, warps 2-3: store kd, qd, kr, gt
             g_rec = mWorkspace[head, slot, None]
-            s_rec_t = cute.make_tensor(rec.s_rec, cute.make_layout(wl.RECORD_BYTES))
+            self.record_decays(rec, scale, lower_bound, g_record=g_rec.iterator.toint())
+
+            # ---- C. warp 0: inverse, warp 1: Mqk
             self.record_inverse_mqk(rec, warp_idx, lane)
-            if warp_idx >= 2:
-                _copy_granules(s_rec_t, g_rec, tid - 64, 64, 0, wl.INV_OFFSET // 16)
             cute.arch.sync_threads()
 
-            # ---- D. INV and Mqk (64 granules) -> global
-            if tid < 64:
+            # ---- D. gt, INV and Mqk (96 granules) -> global; kd, qd, kr went out in phase B
+            if tid < 96:
+                s_rec_t = cute.make_tensor(rec.s_rec, cute.make_layout(wl.RECORD_BYTES))
                 _copy_granules(
-                    s_rec_t, g_rec, tid, 64, wl.INV_OFFSET // 16, wl.RECORD_BYTES // 16
+                    s_rec_t, g_rec, tid, 96, wl.GT_OFFSET // 16, wl.RECORD_BYTES // 16
                 )
 
     # ------------------------------------------------ the chunk record in shared memory
@@ -216,6 +226,7 @@ class KdaPrepare:
         n_valid: Int32,
         tid: Int32,
         smem_base=None,
+        kr_to_global: bool = False,
     ):
         """A0: issue every global load of the chunk (rows past the end re-read the last valid
         row, in bounds, and are zeroed afterwards: no branches) and allocate the record's shared
@@ -224,7 +235,9 @@ class KdaPrepare:
         smem_base (optional, a 128-byte aligned Uint8 shared pointer to RECORD_SMEM_BYTES): place
         the record, ki, beta and the staging area at the RECORD_SMEM offsets there instead of
         allocating them (the caller may then overlap the staging area's bytes past
-        INVERSE_SCRATCH_BYTES once record_decays has returned)."""
+        INVERSE_SCRATCH_BYTES once record_decays has returned).
+        kr_to_global: the caller hands record_decays the record's global address (g_record),
+        so the shared record's kr bytes hold the ki tile instead."""
         group = tid % 16
         # (half, q/k/g, values), values contiguous so that each load is one 16-byte vector
         raw = cute.make_rmem_tensor(
@@ -239,11 +252,12 @@ class KdaPrepare:
                     raw[half, which, None],
                 )
         beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
-        col = tid
-        dt = mDtBias[head, col]
+        c0 = 2 * (tid % 64)  # phase B's column pair
+        dt0 = mDtBias[head, c0]
+        dt1 = mDtBias[head, c0 + 1]
         a_log = mALog[head]
 
-        # ---- shared memory (~30 KB: up to 7 CTAs per SM)
+        # ---- shared memory (~26 KB in the prepare kernel: up to 8 CTAs per SM)
         if cutlass.const_expr(smem_base is None):
             smem = SmemAllocator()
             s_rec = smem.allocate_array(Uint8, wl.RECORD_BYTES, byte_alignment=128)
@@ -255,14 +269,20 @@ class KdaPrepare:
         s_gt = _carve(s_rec, wl.GT_OFFSET, Float32, cute.make_layout(D))
         s_inv = _carve(s_rec, wl.INV_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
         s_mqk = _carve(s_rec, wl.MQK_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
-        if cutlass.const_expr(smem_base is None):
+        if cutlass.const_expr(kr_to_global):
+            # kr never enters the shared record (record_decays stores it to global memory), so
+            # ki takes its bytes: 4 KB less per CTA (8 CTAs per SM instead of 7)
+            s_ki = _carve(s_rec, wl.KR_OFFSET, BFloat16, _swizzled_tile_layout())
+        elif cutlass.const_expr(smem_base is None):
             s_ki = smem.allocate_tensor(
                 BFloat16, _swizzled_tile_layout(), byte_alignment=128
             )
+        if cutlass.const_expr(smem_base is None):
             # normalised q, k and raw g live until phase B; phase C reuses the bytes
             s_stage = smem.allocate_array(Uint8, 3 * CHUNK * D * 2, byte_alignment=128)
         else:
-            s_ki = _carve(smem_base, RECORD_SMEM["ki"], BFloat16, _swizzled_tile_layout())
+            if cutlass.const_expr(not kr_to_global):
+                s_ki = _carve(smem_base, RECORD_SMEM["ki"], BFloat16, _swizzled_tile_layout())
             s_stage = smem_base + RECORD_SMEM["stage"]
         s_qn = _carve(s_stage, 0, BFloat16, _row_major(CHUNK, D))
         s_kn = _carve(s_stage, CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
@@ -279,8 +299,9 @@ class KdaPrepare:
             group=group,
             raw=raw,
             beta_raw=beta_raw,
-            col=col,
-            dt=dt,
+            c0=c0,
+            dt0=dt0,
+            dt1=dt1,
             a_log=a_log,
             s_rec=s_rec,
             s_kd=s_kd,
@@ -295,6 +316,7 @@ class KdaPrepare:
             s_kn=s_kn,
             s_g=s_g,
             s_beta=s_beta,
+            kr_to_global=kr_to_global,
         )
 
     @cute.jit
@@ -326,45 +348,89 @@ class KdaPrepare:
         cute.arch.sync_threads()
 
     @cute.jit
-    def record_decays(self, rec, scale: Float32, lower_bound: Float32, gt_rows=None):
-        """B: gate, cumsum, decays (thread = column). gt_rows (optional, f32 [16, 128] in shared
-        memory): also receives ex2(G_r) of every row r, i.e. the gt of a chunk that ended at
-        row r (the fused decode kernel's per-token states); no other instruction changes."""
+    def record_decays(
+        self, rec, scale: Float32, lower_bound: Float32, gt_rows=None, g_record=None
+    ):
+        """B: gate, cumsum, decays. Thread t owns the column pair (c, c + 1), c = 2 (t % 64), on
+        rows 8h .. 8h + 7, h = t // 64, so that every shared access moves bf16x2 words (one
+        wavefront per 128 bytes; one bf16 per thread would take two). Each column's running sum
+        still adds its 16 gates in row order from 0: threads h = 0 hand their sum after row 7 to
+        threads h = 1 through s_gt, which hand back gt = ex2(total) there (where the record keeps
+        it). The bf16 products run as bf16x2 instructions, one rounding per half as mul.rn.bf16.
+        gt_rows (optional, f32 [16, 128] in shared memory): also receives ex2(G_r) of every row r,
+        i.e. the gt of a chunk that ended at row r (the fused decode kernel's per-token states).
+        g_record (optional, Int64 global address of the record): qd, kd and kr are also stored
+        there as they are made (qd, kd stay in shared memory for phase C, kr does not go there),
+        instead of being staged in the shared record and copied out afterwards."""
+        if cutlass.const_expr(rec.kr_to_global != (g_record is not None)):
+            raise ValueError("record_decays needs g_record exactly when record_inputs was called "
+                             "with kr_to_global=True (ki then occupies the shared kr bytes)")
         n_valid = rec.n_valid
-        col = rec.col
-        dt = rec.dt
-        s_g, s_qn, s_kn, s_gt = rec.s_g, rec.s_qn, rec.s_kn, rec.s_gt
-        s_qd, s_kd, s_ki, s_kr = rec.s_qd, rec.s_kd, rec.s_ki, rec.s_kr
+        c0 = rec.c0
+        half = rec.tid // 64
         a_exp = ex2_approx(fmul(rec.a_log, Float32(LOG2E)))
         gate_scale = gate_scale_from_lower_bound(lower_bound)
-        cum = cute.make_rmem_tensor((CHUNK,), Float32)
-        total = Float32(0.0)
-        for r in cutlass.range_constexpr(CHUNK):
-            x = fmul(a_exp, fadd(bf16_to_f32(s_g[r, col]), dt))
-            gate = fmul(gate_scale, sigmoid(x))
-            if r >= n_valid:
-                gate = Float32(0.0)
-            total = fadd(total, gate)
-            cum[r] = total
-        gt = ex2_approx(total)
-        s_gt[col] = gt
-        gt_b = f32_to_bf16(gt)
-        scale_b = f32_to_bf16(scale)
-        for r in cutlass.range_constexpr(CHUNK):
-            if cutlass.const_expr(gt_rows is None):
-                e = f32_to_bf16(ex2_approx(cum[r]))
+        s_gt = rec.s_gt
+        g_base = rec.s_g.iterator.toint()
+        qn_base = rec.s_qn.iterator.toint()
+        kn_base = rec.s_kn.iterator.toint()
+        rec_base = rec.s_rec.toint()
+        ki_base = rec.s_ki.iterator.toint()
+        # cum[j, i]: column c0 + j, row 8 h + i: first the gate, then the running sum
+        cum = cute.make_rmem_tensor(cute.make_layout((2, 8), stride=(8, 1)), Float32)
+        for i in cutlass.range_constexpr(8):
+            r = half * 8 + i
+            words = ld_shared_b32(g_base + (r * D + c0) * 2)
+            for j in cutlass.range_constexpr(2):
+                g_in = bf16x2_lo_to_f32(words) if j == 0 else bf16x2_hi_to_f32(words)
+                x = fmul(a_exp, fadd(g_in, (rec.dt0, rec.dt1)[j]))
+                gate = fmul(gate_scale, sigmoid(x))
+                if r >= n_valid:
+                    gate = Float32(0.0)
+                cum[j, i] = gate
+        if half == 0:
+            for j in cutlass.range_constexpr(2):
+                total = Float32(0.0)
+                for i in cutlass.range_constexpr(8):
+                    total = fadd(total, cum[j, i])
+                    cum[j, i] = total
+                s_gt[c0 + j] = total
+        cute.arch.sync_threads()
+        if half == 1:
+            for j in cutlass.range_constexpr(2):
+                total = s_gt[c0 + j]
+                for i in cutlass.range_constexpr(8):
+                    total = fadd(total, cum[j, i])
+                    cum[j, i] = total
+                s_gt[c0 + j] = ex2_approx(total)
+        cute.arch.sync_threads()
+        gt2 = pack_bf16x2(s_gt[c0], s_gt[c0 + 1])
+        scale2 = pack_bf16x2(scale, scale)
+        for i in cutlass.range_constexpr(8):
+            r = half * 8 + i
+            e = cute.make_rmem_tensor((2,), Float32)
+            for j in cutlass.range_constexpr(2):
+                e[j] = ex2_approx(cum[j, i])
+                if cutlass.const_expr(gt_rows is not None):
+                    gt_rows[r, c0 + j] = e[j]
+            e2 = pack_bf16x2(e[0], e[1])
+            ei2 = pack_bf16x2(ex2_approx(fneg(cum[0, i])), ex2_approx(fneg(cum[1, i])))
+            qn2 = ld_shared_b32(qn_base + (r * D + c0) * 2)
+            kn2 = ld_shared_b32(kn_base + (r * D + c0) * 2)
+            qd2 = mul_bf16x2(mul_bf16x2(qn2, e2), scale2)
+            kd2 = mul_bf16x2(kn2, e2)
+            ki2 = mul_bf16x2(kn2, ei2)
+            kr2 = mul_bf16x2(ki2, gt2)
+            tile_off = _swizzled_byte_offset(r, c0)
+            st_shared_b32(rec_base + wl.QD_OFFSET + tile_off, qd2)
+            st_shared_b32(rec_base + wl.KD_OFFSET + tile_off, kd2)
+            st_shared_b32(ki_base + tile_off, ki2)
+            if cutlass.const_expr(g_record is None):
+                st_shared_b32(rec_base + wl.KR_OFFSET + tile_off, kr2)
             else:
-                g_r = ex2_approx(cum[r])
-                gt_rows[r, col] = g_r
-                e = f32_to_bf16(g_r)
-            ei = f32_to_bf16(ex2_approx(fneg(cum[r])))
-            qn = s_qn[r, col]
-            kn = s_kn[r, col]
-            s_qd[r, col] = bf16_mul(bf16_mul(qn, e), scale_b)
-            s_kd[r, col] = bf16_mul(kn, e)
-            ki = bf16_mul(kn, ei)
-            s_ki[r, col] = ki
-            s_kr[r, col] = bf16_mul(ki, gt_b)
+                st_global_b32(g_record + (wl.QD_OFFSET + tile_off), qd2)
+                st_global_b32(g_record + (wl.KD_OFFSET + tile_off), kd2)
+                st_global_b32(g_record + (wl.KR_OFFSET + tile_off), kr2)
         cute.arch.sync_threads()
 
     @cute.jit
@@ -432,15 +498,17 @@ class KdaPrepare:
     def _inverse_stable(self, scratch, s_kd, s_ki, s_beta, s_inv, lane: Int32):
         """INV by two f32 8x8 forward substitutions and one bf16 block step (SPEC 6).
 
-        scratch: >= 3 KB of dead shared memory (bytes)."""
+        scratch: >= 3.5 KB of dead shared memory (bytes)."""
         tile = CHUNK * CHUNK * 2
-        s_l = _carve(scratch, 0, Float32, _row_major(CHUNK, CHUNK))
-        s_p = _carve(scratch, 2 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        # L's rows padded to 17 words: the 16 lanes of a row-per-lane access (the substitution's
+        # loads and stores, M's build) then hit 16 different banks (unpadded: 4-way conflicts)
+        s_l = _carve(scratch, 0, Float32, cute.make_layout((CHUNK, CHUNK), stride=(CHUNK + 1, 1)))
+        s_p = _carve(scratch, 3 * tile, BFloat16, _row_major(CHUNK, CHUNK))
         # B operands are stored transposed (B(n, k) = X[k][n] row-major) so that
         # fragment loads stay plain 32-bit smem loads
-        s_p_t = _carve(scratch, 3 * tile, BFloat16, _row_major(CHUNK, CHUNK))
-        s_m_t = _carve(scratch, 4 * tile, BFloat16, _row_major(CHUNK, CHUNK))
-        s_n = _carve(scratch, 5 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        s_p_t = _carve(scratch, 4 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        s_m_t = _carve(scratch, 5 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        s_n = _carve(scratch, 6 * tile, BFloat16, _row_major(CHUNK, CHUNK))
         mma = _WarpMma(_tiled_mma_bf16(), lane)
         coords = mma.coords
 

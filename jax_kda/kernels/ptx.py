@@ -619,6 +619,18 @@ def st_global_b32_if(gmem_addr, value, idx, limit, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def st_global_b32(gmem_addr, value, *, loc=None, ip=None):
+    """*(u32*)addr = value."""
+    _store(
+        [_i64(gmem_addr, loc, ip), _i32(value, loc, ip)],
+        "st.global.b32 [$1], $2;",
+        "l,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def st_global_u16(gmem_addr, value, *, loc=None, ip=None):
     """Store the low 16 bits of value."""
     _store(
@@ -978,12 +990,6 @@ def ld_global_b32_if(gmem_addr, idx, limit, *, loc=None, ip=None):
 # ----------------------------------------------------------------------------------------------
 # The fp32 numerics mode (docs/fp32_mode.md): hi/lo splits, pinned f32 subtraction, f32 state I/O
 # ----------------------------------------------------------------------------------------------
-@dsl_user_op
-def fsub(a, b, *, loc=None, ip=None) -> Float32:
-    """a - b (sub.rn.ftz.f32), never fused into an FMA."""
-    return _f32_binary("sub.rn.ftz.f32 $0, $1, $2;", a, b, loc, ip)
-
-
 @dsl_user_op
 def split_hi_lo_bf16x2(x0, x1, *, loc=None, ip=None):
     """split() of two f32 as two packed bf16x2 words (x0 in the low halves): hi = bf16(x) RN,
