@@ -224,3 +224,23 @@ def test_accumulator_coordinates_are_row_col():
             2 * (lane % 4) + 9,
         )
         assert got == sorted((r, c) for r in rows for c in cols), lane
+
+
+def test_phase_b_word_offsets_are_the_record_swizzle():
+    """Phase B addresses the swizzled tiles by hand (bf16x2 words at _swizzled_byte_offset): it
+    must be the layout the record format defines (workspace_layout.swizzle_index) for every
+    column pair, and phase B's thread map (pair t % 64, rows 8 (t // 64) .. + 7) must cover each
+    of the tile's words exactly once."""
+    import numpy as np
+
+    from jax_kda.kernels import workspace_layout
+
+    want = 2 * workspace_layout.swizzle_index()
+    seen = np.zeros((contract.CHUNK, contract.HEAD_DIM // 2), int)
+    for t in range(prepare.NUM_THREADS):
+        c0 = 2 * (t % 64)
+        for r in range(8 * (t // 64), 8 * (t // 64) + 8):
+            off = prepare._swizzled_byte_offset(r, c0)
+            assert off == want[r, c0] and off + 2 == want[r, c0 + 1], (r, c0)
+            seen[r, c0 // 2] += 1
+    assert (seen == 1).all()
