@@ -71,7 +71,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     if cu is None:
         cu = jnp.arange(B + 1, dtype=jnp.int32) * T
     cu = cu.astype(jnp.int32)
-    length = _sequence_parallel.resolved_length(problem) if problem.numerics == "fp32" else None
+    length = _sequence_parallel.resolved_length(problem)  # None unless fp32 cuts the sequences
     if length is not None:
         return _fp32_on_rows(
             functools.partial(_segmented, q, k, v, g, beta, A_log, dt_bias, cu, problem=problem,

@@ -44,14 +44,13 @@ MODES = ("auto", "off")
 
 def check(value, *, numerics: str, checkpoint_every) -> int | str:
     """The segments a kda_prefill call asks for: 1 (serial), a count n > 1, or "auto"."""
-    if isinstance(value, str):
-        if value not in MODES:
-            raise ValueError(f"kda_prefill: sequence_parallel must be 'auto', 'off' or a segment "
-                             f"count >= 1, got {value!r}")
-        return "auto" if value == "auto" and numerics == "fp32" and checkpoint_every is None else 1
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    is_count = (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                and value >= 1)
+    if not (is_count or (isinstance(value, str) and value in MODES)):
         raise ValueError(f"kda_prefill: sequence_parallel must be 'auto', 'off' or a segment "
                          f"count >= 1, got {value!r}")
+    if isinstance(value, str):
+        return "auto" if value == "auto" and numerics == "fp32" and checkpoint_every is None else 1
     if value > 1 and numerics != "fp32":
         raise ValueError("kda_prefill: sequence_parallel segments need numerics='fp32' (its "
                          "rounding differs from the serial kernels, so the bitwise FlashKDA "
@@ -165,27 +164,30 @@ def longest(problem) -> int:
     return problem.batch * problem.seqlen if problem.varlen else problem.seqlen
 
 
+def _cut_length(problem, segments: int) -> int | None:
+    """Tokens per piece when the longest sequence `problem` can hold is cut into `segments`;
+    None where that leaves it whole (serial)."""
+    length = segment_length(longest(problem), segments)
+    return length if segments > 1 and length < longest(problem) else None
+
+
 def with_segments(problem, segments):
     """`problem` (jax_kda._checks.Problem) with its sequence parallelism: segments = 1 (serial),
     a count n (the longest possible sequence cut into n pieces) or "auto" (planned by the kernel
     path for the size it sees)."""
     if segments == "auto":
         return dataclasses.replace(problem, plan_segments=True)
-    length = segment_length(longest(problem), segments)
-    if segments == 1 or length >= longest(problem):
-        return problem
-    return dataclasses.replace(problem, segment_length=length)
+    length = _cut_length(problem, segments)
+    return problem if length is None else dataclasses.replace(problem, segment_length=length)
 
 
 def resolved_length(problem, *, sm_count: int | None = None) -> int | None:
     """Tokens per piece (None: serial): the explicit choice, or the plan for "auto"."""
     if problem.segment_length is not None or not problem.plan_segments:
         return problem.segment_length
-    segments = planned_segments(num_seqs=problem.num_seqs, heads=problem.heads,
-                                longest=longest(problem), varlen=problem.varlen,
-                                sm_count=sm_count)
-    length = segment_length(longest(problem), segments)
-    return length if segments > 1 and length < longest(problem) else None
+    return _cut_length(problem, planned_segments(
+        num_seqs=problem.num_seqs, heads=problem.heads, longest=longest(problem),
+        varlen=problem.varlen, sm_count=sm_count))
 
 
 # "auto": a time model of the fp32 kernels fitted on the H200 (BENCHMARKS.md "Sequence
