@@ -265,7 +265,6 @@ class KdaPrepare:
             s_rec = smem_base
         s_kd = _carve(s_rec, wl.KD_OFFSET, BFloat16, _swizzled_tile_layout())
         s_qd = _carve(s_rec, wl.QD_OFFSET, BFloat16, _swizzled_tile_layout())
-        s_kr = _carve(s_rec, wl.KR_OFFSET, BFloat16, _swizzled_tile_layout())
         s_gt = _carve(s_rec, wl.GT_OFFSET, Float32, cute.make_layout(D))
         s_inv = _carve(s_rec, wl.INV_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
         s_mqk = _carve(s_rec, wl.MQK_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
@@ -306,7 +305,6 @@ class KdaPrepare:
             s_rec=s_rec,
             s_kd=s_kd,
             s_qd=s_qd,
-            s_kr=s_kr,
             s_gt=s_gt,
             s_inv=s_inv,
             s_mqk=s_mqk,
