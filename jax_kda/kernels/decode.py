@@ -57,9 +57,9 @@ intermediate): prepare's record, ki tile, beta and staging area at prepare.RECOR
 piece places them there instead of allocating, record_inputs(smem_base=...)), then the state
 tile (bf16 [128, 128], granule kg of row v at kg ^ (v % 8): ldmatrix, ldmatrix.trans,
 stmatrix.trans and the 16-byte copies along a row are conflict free) starting right after the
-staging area's inverse scratch (prepare.INVERSE_SCRATCH_BYTES). Its first 7.5 KB (rows 0..29)
-overlap the staging area's normalised q, k and raw g, dead once record_decays has returned, so
-those rows (copy steps 0..LATE_STEPS-1, rows 0..31) are written only then. 55.4 KB and <= 128
+staging area's inverse scratch (prepare.INVERSE_SCRATCH_BYTES). Its first 3.5 KB (rows 0..13)
+overlap the staging area's normalised q and k, dead once record_decays has returned, so
+those rows (copy steps 0..LATE_STEPS-1, rows 0..15) are written only then. 55.4 KB and <= 128
 registers: four CTAs per SM (with the gt_i table three).
 
 Order of work in a CTA (t >= 1):
@@ -69,13 +69,13 @@ Order of work in a CTA (t >= 1):
      that ptxas would sink below a branch on the row, so the row is loaded last, as volatile
      asm). Prepare A (L2 norms; CTA barrier) waits for them.
   2. Padding slot: zeros to out rows r < t (and states[n, :t]); nothing else.
-     Otherwise the state copy: bf16: cp.async.cg of 16 bytes (12 per thread, rows 32..127)
-     into the tile, plus 16-byte register loads of rows 0..31 (4 per thread); f32: 16-byte
+     Otherwise the state copy: bf16: cp.async.cg of 16 bytes (14 per thread, rows 16..127)
+     into the tile, plus 16-byte register loads of rows 0..15 (2 per thread); f32: 16-byte
      register loads of rows 64..127 (16 per thread). Coalesced: consecutive threads read
      consecutive 16-byte units of a row; every address is a thread-constant base plus an
      immediate.
   3. Prepare B (gates, cumsum, decays; CTA barrier). Then the registers go to the tile: bf16
-     rows 0..31 (st.shared.v4); f32 rows 64..127 (cvt.rn.bf16x2, st.shared.v2) and the loads of
+     rows 0..15 (st.shared.v4); f32 rows 64..127 (cvt.rn.bf16x2, st.shared.v2) and the loads of
      rows 0..63 are issued.
   4. Prepare C: warp 0 INV, warp 1 Mqk. f32: rows 0..63 stored; bf16: cp.async.wait_group 0.
      CTA barrier: record and state tile complete.
@@ -144,7 +144,7 @@ STATE_TILE_BYTES = D * D * 2
 GT_ROWS_BYTES = CHUNK * D * 4
 # Shared memory: the prepare piece's region (prepare.RECORD_SMEM) and the state tile right after
 # the inverse scratch of its staging area; the tile's first bytes overlap the staging area's
-# tail (normalised q, k, raw g: dead once record_decays has returned), so the tile's first
+# tail (normalised q and k: dead once record_decays has returned), so the tile's first
 # LATE_STEPS copy steps (8 rows each) go through registers and are stored only then.
 TILE_OFFSET = RECORD_SMEM["stage"] + INVERSE_SCRATCH_BYTES
 SMEM_BYTES = TILE_OFFSET + STATE_TILE_BYTES

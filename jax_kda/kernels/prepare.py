@@ -7,9 +7,10 @@ record (layout in jax_kda/kernels/workspace_layout.py).
 
 Work split, chosen so that the thread structure is SPEC's rounding order and every shared
 access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, then DRAM):
-  A. All global loads are issued first: 16-byte vectors, a warp reads two
-     256-byte rows; rows past the sequence end re-read the last valid row (in
-     bounds) and are zeroed in registers. L2 norm: thread t owns the 8-value
+  A. All global loads are issued first: q and k in 16-byte vectors (a warp
+     reads two 256-byte rows), g as phase B's bf16 pairs; rows past the
+     sequence end re-read the last valid row (in bounds) and are zeroed in
+     registers (g's gates in phase B). L2 norm: thread t owns the 8-value
      group (t % 16) of rows t // 16 and t // 16 + 8; the 16 lanes of a row
      combine their partial sums with shfl.bfly 8, 4, 2, 1.
   B. Gate, cumsum and decays: thread t owns the column pair 2 (t % 64), +1 on
@@ -20,8 +21,8 @@ access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, t
   C. Warp 0: L = kd.ki^T and the 16x16 inverse; warp 1: Mqk = qd.ki^T
      (mma.sync m16n8k16 through shared memory, k-blocks ascending).
   D. Threads 0-95 store gt, INV and Mqk from the shared record.
-About 26 KB of shared memory per CTA (ki takes the shared record's unused kr
-bytes), so up to 8 CTAs per SM.
+About 22 KB of shared memory per CTA (ki takes the shared record's unused kr
+bytes; g is never staged), so up to 10 CTAs per SM.
 
 Phases A0-A, B and C are the methods record_inputs, record_normalize,
 record_decays and record_inverse_mqk (a ChunkRecord carries what one hands the
@@ -78,12 +79,12 @@ NUM_THREADS = 128
 INVERSES = tuple(contract.INVERSE_IDS)
 # Byte offsets of the record build's shared memory when the caller places it
 # (record_inputs(smem_base=...)): the record, the ki tile, the 16 f32 b values and the staging
-# area (normalised q, k and raw g until phase B; phase C's inverse scratch, at most
+# area (normalised q and k until phase B; phase C's inverse scratch, at most
 # INVERSE_SCRATCH_BYTES, after it), each 128-byte aligned.
 RECORD_SMEM = {"record": 0, "ki": wl.RECORD_BYTES}
 RECORD_SMEM["beta"] = RECORD_SMEM["ki"] + CHUNK * D * 2
 RECORD_SMEM["stage"] = (RECORD_SMEM["beta"] + CHUNK * 4 + 127) // 128 * 128
-RECORD_SMEM_BYTES = RECORD_SMEM["stage"] + 3 * CHUNK * D * 2
+RECORD_SMEM_BYTES = RECORD_SMEM["stage"] + 2 * CHUNK * D * 2
 # phase C's scratch in the staging area: stable 7, neumann 9 tiles of 16 x 16 16-bit values
 INVERSE_SCRATCH_BYTES = 9 * CHUNK * CHUNK * 2
 
@@ -239,25 +240,34 @@ class KdaPrepare:
         kr_to_global: the caller hands record_decays the record's global address (g_record),
         so the shared record's kr bytes hold the ki tile instead."""
         group = tid % 16
-        # (half, q/k/g, values), values contiguous so that each load is one 16-byte vector
+        # (half, q/k, values), values contiguous so that each load is one 16-byte vector
         raw = cute.make_rmem_tensor(
-            cute.make_layout((2, 3, 8), stride=(24, 8, 1)), BFloat16
+            cute.make_layout((2, 2, 8), stride=(16, 8, 1)), BFloat16
         )
         for half in cutlass.range_constexpr(2):
             r = tid // 16 + 8 * half
             tok = rows.token(cutlass.min(r, n_valid - 1))
-            for which, m_x in enumerate((mQ, mK, mG)):
+            for which, m_x in enumerate((mQ, mK)):
                 cute.autovec_copy(
                     cute.local_tile(rows.row(m_x, tok), (8,), (group,)),
                     raw[half, which, None],
                 )
+        c0 = 2 * (tid % 64)  # phase B's column pair, on rows 8 (tid // 64) .. + 7
+        # raw g straight in phase B's layout (no shared staging): row i of the thread's 8, one
+        # 4-byte load of the pair each; rows past the end re-read the last valid row (their gate
+        # is zeroed in phase B whatever g holds)
+        g_pairs = cute.make_rmem_tensor(cute.make_layout((8, 2), stride=(2, 1)), BFloat16)
+        for i in cutlass.range_constexpr(8):
+            tok = rows.token(cutlass.min((tid // 64) * 8 + i, n_valid - 1))
+            cute.autovec_copy(
+                cute.local_tile(rows.row(mG, tok), (2,), (tid % 64,)), g_pairs[i, None]
+            )
         beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
-        c0 = 2 * (tid % 64)  # phase B's column pair
         dt0 = mDtBias[head, c0]
         dt1 = mDtBias[head, c0 + 1]
         a_log = mALog[head]
 
-        # ---- shared memory (~26 KB in the prepare kernel: up to 8 CTAs per SM)
+        # ---- shared memory (~22 KB in the prepare kernel: up to 10 CTAs per SM)
         if cutlass.const_expr(smem_base is None):
             smem = SmemAllocator()
             s_rec = smem.allocate_array(Uint8, wl.RECORD_BYTES, byte_alignment=128)
@@ -270,22 +280,21 @@ class KdaPrepare:
         s_mqk = _carve(s_rec, wl.MQK_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
         if cutlass.const_expr(kr_to_global):
             # kr never enters the shared record (record_decays stores it to global memory), so
-            # ki takes its bytes: 4 KB less per CTA (8 CTAs per SM instead of 7)
+            # ki takes its bytes: 4 KB less per CTA
             s_ki = _carve(s_rec, wl.KR_OFFSET, BFloat16, _swizzled_tile_layout())
         elif cutlass.const_expr(smem_base is None):
             s_ki = smem.allocate_tensor(
                 BFloat16, _swizzled_tile_layout(), byte_alignment=128
             )
         if cutlass.const_expr(smem_base is None):
-            # normalised q, k and raw g live until phase B; phase C reuses the bytes
-            s_stage = smem.allocate_array(Uint8, 3 * CHUNK * D * 2, byte_alignment=128)
+            # normalised q and k live until phase B; phase C reuses the bytes
+            s_stage = smem.allocate_array(Uint8, 2 * CHUNK * D * 2, byte_alignment=128)
         else:
             if cutlass.const_expr(not kr_to_global):
                 s_ki = _carve(smem_base, RECORD_SMEM["ki"], BFloat16, _swizzled_tile_layout())
             s_stage = smem_base + RECORD_SMEM["stage"]
         s_qn = _carve(s_stage, 0, BFloat16, _row_major(CHUNK, D))
         s_kn = _carve(s_stage, CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
-        s_g = _carve(s_stage, 2 * CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
         if cutlass.const_expr(smem_base is None):
             s_beta = smem.allocate_tensor(
                 Float32, cute.make_layout(CHUNK), byte_alignment=16
@@ -297,6 +306,7 @@ class KdaPrepare:
             n_valid=n_valid,
             group=group,
             raw=raw,
+            g_pairs=g_pairs,
             beta_raw=beta_raw,
             c0=c0,
             dt0=dt0,
@@ -312,30 +322,23 @@ class KdaPrepare:
             s_stage=s_stage,
             s_qn=s_qn,
             s_kn=s_kn,
-            s_g=s_g,
             s_beta=s_beta,
             kr_to_global=kr_to_global,
         )
 
     @cute.jit
     def record_normalize(self, rec):
-        """A: L2 norm of the q and k rows; raw g and b = sigmoid(beta) to shared memory."""
+        """A: L2 norm of the q and k rows and b = sigmoid(beta), to shared memory."""
         tid = rec.tid
         n_valid = rec.n_valid
         raw = rec.raw
         group = rec.group
-        s_qn, s_kn, s_g = rec.s_qn, rec.s_kn, rec.s_g
+        s_qn, s_kn = rec.s_qn, rec.s_kn
         for half in cutlass.range_constexpr(2):
             r = tid // 16 + 8 * half
             valid = r < n_valid
             self._normalize(raw[half, 0, None], s_qn, r, group, valid)
             self._normalize(raw[half, 1, None], s_kn, r, group, valid)
-            g_words = cute.recast_tensor(raw[half, 2, None], Uint32)
-            if not valid:
-                g_words.fill(0)
-            cute.autovec_copy(
-                raw[half, 2, None], cute.local_tile(s_g[r, None], (8,), (group,))
-            )
         beta_raw = rec.beta_raw
         s_beta = rec.s_beta
         if tid < CHUNK:
@@ -369,7 +372,6 @@ class KdaPrepare:
         a_exp = ex2_approx(fmul(rec.a_log, Float32(LOG2E)))
         gate_scale = gate_scale_from_lower_bound(lower_bound)
         s_gt = rec.s_gt
-        g_base = rec.s_g.iterator.toint()
         qn_base = rec.s_qn.iterator.toint()
         kn_base = rec.s_kn.iterator.toint()
         rec_base = rec.s_rec.toint()
@@ -378,9 +380,8 @@ class KdaPrepare:
         cum = cute.make_rmem_tensor(cute.make_layout((2, 8), stride=(8, 1)), Float32)
         for i in cutlass.range_constexpr(8):
             r = half * 8 + i
-            words = ld_shared_b32(g_base + (r * D + c0) * 2)
             for j in cutlass.range_constexpr(2):
-                g_in = bf16x2_lo_to_f32(words) if j == 0 else bf16x2_hi_to_f32(words)
+                g_in = bf16_to_f32(rec.g_pairs[i, j])
                 x = fmul(a_exp, fadd(g_in, (rec.dt0, rec.dt1)[j]))
                 gate = fmul(gate_scale, sigmoid(x))
                 if r >= n_valid:
