@@ -779,6 +779,18 @@ def test_compare_jla_is_timed_in_the_jax_chain(monkeypatch, tmp_path):
     assert fake.calls  # traced once per chain length (the call is jitted on its own)
 
 
+def test_throughput_preset_lists_the_full_gpu_cases(capsys):
+    from jax_kda.bench import cli
+
+    code = cli.main(["--preset", "throughput", "--variants", "total", "--total-block-v",
+                     "auto,baseline", "--compare", "flashkda", "--dry-run"])
+    text = capsys.readouterr().out
+    assert code == 0
+    for name in ("T8192_H96", "T8192_H48", "T8192_H6", "varlen8x1024_H96", "varlen8x1024_H12"):
+        assert name in text
+    assert "T8192_H12" not in text and "T8192_H24" not in text
+
+
 def test_sequence_parallel_variants_of_the_long_context_preset(capsys):
     from jax_kda.bench import cases as cases_mod
     from jax_kda.bench import cli

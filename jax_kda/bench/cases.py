@@ -172,6 +172,13 @@ def baseline_other_cases() -> list[Case]:
     return baseline_cases()[len(BASELINE_HEADS):]
 
 
+def throughput_cases() -> list[Case]:
+    """A full GPU, where time is set by throughput: T = 8192 at 96, 48 and 6 heads, and 8
+    packed sequences of 1024 tokens at 96 and 12 heads."""
+    return [Case((8192,), h) for h in (96, 48, 6)] + [
+        Case((1024,) * 8, h, "varlen") for h in (96, 12)]
+
+
 LONG_CONTEXT_SEQLENS = (8192, 32768, 65536, 131072)
 LONG_CONTEXT_HEADS = (1, 4, 8, 12)
 
@@ -184,7 +191,7 @@ def long_context_cases() -> list[Case]:
 
 PRESETS = {"baselines": baseline_cases, "baselines-other": baseline_other_cases, "tiny": tiny_cases,
            "decode": decode_cases, "decode-tiny": decode_tiny_cases,
-           "long-context": long_context_cases}
+           "long-context": long_context_cases, "throughput": throughput_cases}
 
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:
