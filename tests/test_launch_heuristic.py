@@ -121,3 +121,26 @@ def test_auto_picks_the_baseline_only_for_plain_bf16_mode_prefill():
                            ).kernel == "column_split"
     assert _launch.resolve(auto, **dict(short, heads=4), baseline_allowed=True
                            ).kernel == "column_split"
+
+
+THROUGHPUT = GRID.parent / "h200-20261201-throughput.csv"
+
+
+def test_auto_on_the_full_gpu_cases_matches_today_s_choice_and_the_best_kernel():
+    """The throughput table (BENCHMARKS.md): at each case, the launch the bench recorded for
+    "auto" is what the heuristic picks today, and it is within 7 % of the faster of auto and the
+    baseline kernel measured in the same process."""
+    import csv
+
+    rows = [r for r in csv.DictReader(THROUGHPUT.open()) if r["kind"] == "total"]
+    cases = collections.defaultdict(dict)
+    for r in rows:
+        cases[(r["case"], int(r["num_seqs"]), int(r["heads"]), int(r["tokens"]))][
+            r["block_v"]] = (float(r["median_us"]), r["block_v_used"])
+    assert len(cases) == 7
+    for (name, n, h, tokens), times in cases.items():
+        assert set(times) == {"auto", "baseline"}, name
+        got = _auto(n, h, tokens, 132)
+        assert str(got) == times["auto"][1], (name, got, times["auto"])
+        best = min(t for t, _ in times.values())
+        assert times["auto"][0] <= 1.07 * best, (name, times)
