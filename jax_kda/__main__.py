@@ -50,7 +50,8 @@ def driver_gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30,
+                                check=False)  # a failing nvidia-smi lists no GPU
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line for line in listed.stdout.splitlines() if line.startswith("GPU ")]

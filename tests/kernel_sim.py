@@ -444,7 +444,7 @@ class Simt:
 class Pair:
     """A packed bf16x2 register in value mode: (lo, hi) as float64 (no rounding)."""
 
-    __slots__ = ("lo", "hi")
+    __slots__ = ("hi", "lo")
 
     def __init__(self, lo, hi):
         self.lo, self.hi = float(lo), float(hi)

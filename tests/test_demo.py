@@ -13,7 +13,7 @@ def test_demo_refuses_a_gpu_jax_cannot_see(monkeypatch):
 
 
 def test_demo_runs_the_reference_on_cpu(monkeypatch, capsys):
-    monkeypatch.setattr(demo, "driver_gpus", lambda: [])
+    monkeypatch.setattr(demo, "driver_gpus", list)
     demo.main(["--seqlen", "64", "--heads", "1", "--check-tokens", "64"])
     printed = capsys.readouterr().out
     assert "pure-JAX reference" in printed and "-> OK" in printed

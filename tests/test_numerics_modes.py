@@ -22,9 +22,10 @@ SCALE, LOWER = 128**-0.5, -5.0
 
 def inputs(rng, B, T, H):
     bf = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32), jnp.bfloat16)
-    return dict(q=bf(B, T, H, 128), k=bf(B, T, H, 128), v=bf(B, T, H, 128), g=bf(B, T, H, 128),
-                beta=bf(B, T, H), A_log=jnp.asarray(rng.uniform(0, 1, H), jnp.float32),
-                dt_bias=jnp.asarray(rng.uniform(0, 1, (H, 128)), jnp.float32))
+    return {"q": bf(B, T, H, 128), "k": bf(B, T, H, 128), "v": bf(B, T, H, 128),
+            "g": bf(B, T, H, 128), "beta": bf(B, T, H),
+            "A_log": jnp.asarray(rng.uniform(0, 1, H), jnp.float32),
+            "dt_bias": jnp.asarray(rng.uniform(0, 1, (H, 128)), jnp.float32)}
 
 
 def reference(a, **kw):
@@ -90,11 +91,11 @@ def test_decode_is_prefill_on_the_tokens():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(numerics="bf16"), "numerics must be one of"),
-    (dict(numerics=None), "numerics must be one of"),
-    (dict(numerics="fp32", inverse="neumann"), "inverse='neumann'"),
-    (dict(numerics="fp32", recurrence="baseline"), "recurrence='baseline'"),
-    (dict(numerics="fp32", checkpoint_every=16), "checkpoint_every"),
+    ({"numerics": "bf16"}, "numerics must be one of"),
+    ({"numerics": None}, "numerics must be one of"),
+    ({"numerics": "fp32", "inverse": "neumann"}, "inverse='neumann'"),
+    ({"numerics": "fp32", "recurrence": "baseline"}, "recurrence='baseline'"),
+    ({"numerics": "fp32", "checkpoint_every": 16}, "checkpoint_every"),
 ])
 def test_bad_combinations_name_the_argument(bad, message):
     a = inputs(np.random.default_rng(0), 1, 16, 1)
