@@ -818,3 +818,45 @@ def test_sequence_parallel_counts_must_be_integers():
     with pytest.raises(SystemExit, match="--sequence-parallel"):
         cli.main(["--preset", "long-context", "--numerics", "fp32", "--variants", "total",
                   "--sequence-parallel", "four", "--dry-run"])
+
+
+def test_interleave_takes_one_sample_of_each_sampler_per_round():
+    calls = []
+
+    def fake(name, seconds):
+        return timing.Sampler(lambda: calls.append(name) or seconds, inner=2, method=name)
+
+    a, b = timing.interleave([fake("a", 2e-6), fake("b", 4e-6)], repeats=3)
+    assert calls == ["a", "b"] * 3
+    assert a.samples_us == [1.0] * 3 and b.samples_us == [2.0] * 3
+    assert a.method == "a, interleaved with 1 other(s)" and b.inner == 2
+    collected = timing.collect(fake("c", 6e-6), repeats=2)
+    assert collected.samples_us == [3.0, 3.0] and calls[-2:] == ["c", "c"]
+
+
+def test_interleaved_run_times_every_variant_in_turns(tmp_path, monkeypatch):
+    """--interleave on CPU: the reference in both numerics modes (prefill) and on a decode case;
+    every row is timed with the requested repeats, its timer says it was interleaved, and a
+    variant that cannot run is still recorded as skipped."""
+    from jax_kda.bench import cli
+
+    rounds = []
+    real = timing.interleave
+    monkeypatch.setattr(timing, "interleave",
+                        lambda samplers, repeats: rounds.append(len(samplers)) or real(samplers,
+                                                                                      repeats))
+    code = cli.main(["--seqlen", "24", "--heads", "1", "--decode", "2,1,1",
+                     "--state-dtype", "bf16", "--variants", "reference,prepare",
+                     "--numerics", "flashkda,fp32", "--repeats", "2", "--warmup", "0",
+                     "--interleave", "--no-plot", "--no-progress", "--out", str(tmp_path),
+                     "--tag", "il"])
+    assert code == 0
+    data = json.loads((tmp_path / "il.json").read_text())
+    assert data["meta"]["interleave"] is True
+    rows = {(r["case"], r["variant"]): r for r in data["results"]}
+    timed = [r for r in rows.values() if r["status"] == "ok"]
+    assert {(r["case"], r["variant"]) for r in timed} == {
+        ("T24_H1", "reference"), ("T24_H1", "reference:fp32"), ("decode2x1_t1_bf16", "reference")}
+    assert all(len(r["samples_us"]) == 2 and "interleaved" in r["timer"] for r in timed)
+    assert rows[("T24_H1", "prepare")]["status"] == "skipped"  # no kernels on this machine
+    assert sorted(rounds) == [1, 2]  # the decode case's one variant, the prefill case's two

@@ -12,6 +12,8 @@ Examples:
   python -m jax_kda.bench --preset decode --compare fla    # decode steps on a state pool, GPU
   python -m jax_kda.bench --decode 256,12,1 --state-dtype bf16 --pool-extra 64
   python -m jax_kda.bench --preset decode-tiny             # decode on a CPU, with the reference
+  python -m jax_kda.bench --preset throughput --total-block-v auto,baseline --interleave
+      # variants of a case timed in turns (one sample each per round): for small differences
 
 Decode cases (--preset decode, --decode N,H,t) time one decode step of N sequences x H heads, t
 tokens each, on a state pool (bf16 or f32) picked by a permutation of its rows: `decode` (the
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import functools
 import os
 import platform
 import re
@@ -120,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="grow the calls per sample until one sample takes this long "
                    "(default 5 on GPU, 0 = off on CPU)")
     g.add_argument("--torch-inner", type=int, default=10, help="calls per CUDA graph for torch")
+    g.add_argument("--interleave", action="store_true",
+                   help="build every variant of a case first, then take their samples in turns "
+                   "(one of each per round), so that a drift of the device reaches all alike")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--copy-tb-s", type=float, default=decode_variants.COPY_TB_S,
                    help="copy rate (read + write, TB/s) of the decode floor (default "
@@ -286,26 +292,71 @@ def _compare_versions(peers) -> dict:
     return found | ({"jla": jla_compare.version()} if "jla" in peers else {})
 
 
-def _run_one(variant, case, np_inputs, jax_inputs, args, timing_opts):
+def _sampler(variant, case, np_inputs, jax_inputs, args, timing_opts):
+    """(timing.Sampler, info) for one variant on one case: compiled and warmed up, ready to time;
+    raises VariantUnavailable where the variant cannot run."""
     from . import jax_variants, jla_compare, timing, torch_compare
 
+    jax_opts = {"warmup": args.warmup, **timing_opts}
     if variant.kind == "jla":  # a JAX peer: timed as the jax_kda variants are
         fn, fn_args, feedback, info = jla_compare.build(case, jax_inputs)
-        return timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=args.warmup,
-                               **timing_opts).summary() | info
+        return timing.jax_sampler(fn, fn_args, feedback, **jax_opts), info
     if variant.kind in torch_compare.BUILDERS:
         fn, notes = torch_compare.BUILDERS[variant.kind](case, np_inputs)
-        t = timing.time_torch(fn, repeats=args.repeats, warmup=args.warmup, inner=args.torch_inner)
-        return t.summary() | ({"notes": notes} if notes else {})
+        sampler = timing.torch_sampler(fn, warmup=args.warmup, inner=args.torch_inner)
+        return sampler, ({"notes": notes} if notes else {})
     if case.kind == "decode":
         fn, fn_args, feedback, info = decode_variants.build(variant, case, jax_inputs,
                                                             inverse=args.inverse)
-        return decode_variants.time_decode(fn, fn_args, feedback, repeats=args.repeats,
-                                           warmup=args.warmup, **timing_opts).summary() | info
+        return decode_variants.decode_sampler(fn, fn_args, feedback, **jax_opts), info
     fn, fn_args, feedback, info = jax_variants.build(variant, case, jax_inputs,
                                                      inverse=args.inverse)
-    return timing.time_jax(fn, fn_args, feedback, repeats=args.repeats, warmup=args.warmup,
-                           **timing_opts).summary() | info
+    return timing.jax_sampler(fn, fn_args, feedback, **jax_opts), info
+
+
+def _attempt(row: dict, step):
+    """step()'s result, or None: a variant that cannot run is recorded in row as skipped, any
+    other failure as an error (printed), and the benchmark goes on."""
+    try:
+        return step()
+    except VariantUnavailable as why:
+        row |= {"status": "skipped", "error": str(why)}
+    except Exception as err:  # noqa: BLE001 - record, keep benchmarking the rest
+        row |= {"status": "error", "error": f"{type(err).__name__}: {err}"}
+        traceback.print_exc(file=sys.stderr)
+    return None
+
+
+def _measure_case(case, variants, np_inputs, jax_inputs, args, timing_opts):
+    """Yields one row per variant. By default each variant's repeats are taken before the next
+    variant is built; with --interleave every variant is built first and the repeats are taken
+    in turns (timing.interleave), so that the variants' medians share the device's drift."""
+    from . import timing
+
+    rows = []
+    for variant in variants:
+        row = case.as_dict() | {"case": case.name, "variant": variant.name,
+                                "kind": variant.kind, "numerics": _row_numerics(variant),
+                                "block_v": variant.block_v}
+        row.pop("name")
+        rows.append(row)
+    build = functools.partial(_sampler, case=case, np_inputs=np_inputs, jax_inputs=jax_inputs,
+                              args=args, timing_opts=timing_opts)
+    if not args.interleave:
+        for variant, row in zip(variants, rows):
+            built = _attempt(row, functools.partial(build, variant))
+            if built:
+                sampler, info = built
+                row |= {"status": "ok"} | timing.collect(sampler, args.repeats).summary() | info
+            yield row
+        return
+    built = [(row, _attempt(row, functools.partial(build, variant)))
+             for variant, row in zip(variants, rows)]
+    ready = [(row, sampler_info) for row, sampler_info in built if sampler_info]
+    timings = timing.interleave([sampler for _, (sampler, _) in ready], args.repeats)
+    for (row, (_, info)), t in zip(ready, timings):
+        row |= {"status": "ok"} | t.summary() | info
+    yield from rows
 
 
 def main(argv=None) -> int:
@@ -370,6 +421,7 @@ def main(argv=None) -> int:
            if "decode" in baselines else {}),
         "kernels_unavailable_reason": kernels_why or None, "repeats": args.repeats,
         "warmup": args.warmup, "seed": args.seed, "variants": names,
+        "interleave": args.interleave,
         "numerics": _parse_numerics(args.numerics),
     }
     if args.compare:
@@ -387,25 +439,16 @@ def main(argv=None) -> int:
     for done, case in enumerate(cases, start=1):
         np_inputs = make_inputs(case, seed=args.seed)
         jax_inputs = to_jax(np_inputs, case)
-        for variant in (v for c, v in pairs if c is case):
-            bar.set_description(f"{case.name} {variant.name}")
-            row = case.as_dict() | {"case": case.name, "variant": variant.name,
-                                    "kind": variant.kind, "numerics": _row_numerics(variant),
-                                    "block_v": variant.block_v}
-            row.pop("name")
-            try:
-                row |= {"status": "ok"} | _run_one(variant, case, np_inputs, jax_inputs, args,
-                                                   timing_opts)
-            except VariantUnavailable as why:
-                row |= {"status": "skipped", "error": str(why)}
-            except Exception as err:  # noqa: BLE001 - record, keep benchmarking the rest
-                row |= {"status": "error", "error": f"{type(err).__name__}: {err}"}
-                traceback.print_exc(file=sys.stderr)
+        case_variants = [v for c, v in pairs if c is case]
+        if args.interleave:
+            bar.set_description(f"{case.name} ({len(case_variants)} variants, interleaved)")
+        for row in _measure_case(case, case_variants, np_inputs, jax_inputs, args, timing_opts):
+            bar.set_description(f"{case.name} {row['variant']}")
             results.append(row)
             decode_variants.add_floors([row], args.copy_tb_s)
             bar.update(1)
             if args.no_progress:  # one line per measurement instead of the bar
-                print(f"  {case.name:28s} {variant.name:28s} "
+                print(f"  {case.name:28s} {row['variant']:28s} "
                       + (f"{row['median_us']:10.1f} us" if "median_us" in row else row["status"])
                       + (f" {row['achieved_tb_s']:6.2f} TB/s" if "achieved_tb_s" in row else ""),
                       flush=True)

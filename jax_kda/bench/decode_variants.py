@@ -24,8 +24,6 @@ achieved bandwidth, state bytes / median time.
 
 from __future__ import annotations
 
-import time
-
 from . import timing
 from .cases import DecodeCase
 from .jax_variants import Variant, VariantUnavailable, _zero_times, kernels_status
@@ -133,35 +131,22 @@ def chain(fn, inner: int, feedback):
     return jax.jit(timing.chain_jax(fn, inner, feedback), donate_argnums=(POOL,))
 
 
+def decode_sampler(fn, args, feedback, *, warmup: int, inner: int,
+                   min_chain_ms: float) -> timing.Sampler:
+    """timing.jax_sampler for a step on a donated pool: each run of the chain takes the pool the
+    previous run returned (the first run's pool is args[POOL], which it consumes)."""
+    def next_pool(args, outs):
+        args[POOL] = outs[1]
+
+    return timing.jax_sampler(fn, args, feedback, warmup=warmup, inner=inner,
+                              min_chain_ms=min_chain_ms, compile_chain=chain, carry=next_pool,
+                              calls="dependent steps on a donated pool")
+
+
 def time_decode(fn, args, feedback, *, repeats: int, warmup: int, inner: int,
                 min_chain_ms: float) -> timing.Timing:
-    """timing.time_jax for a step on a donated pool: each run of the chain takes the pool the
-    previous run returned (the first run's pool is args[POOL], which it consumes)."""
-    import jax
-
-    args = list(args)
-
-    def run(compiled):
-        start = time.perf_counter()
-        outs = jax.block_until_ready(compiled(*args))
-        elapsed = time.perf_counter() - start
-        args[POOL] = outs[1]
-        return elapsed
-
-    compiled = chain(fn, inner, feedback)
-    run(compiled)  # compile
-    elapsed = run(compiled)
-    while min_chain_ms > 0 and elapsed * 1e3 < min_chain_ms and inner < timing.MAX_CHAIN:
-        per_call = max(elapsed / inner, 1e-7)
-        inner = min(timing.MAX_CHAIN, max(2 * inner, int(1.2 * min_chain_ms * 1e-3 / per_call) + 1))
-        compiled = chain(fn, inner, feedback)
-        run(compiled)
-        elapsed = run(compiled)
-    for _ in range(warmup):
-        run(compiled)
-    samples = [run(compiled) / inner * 1e6 for _ in range(repeats)]
-    return timing.Timing(samples, inner, f"jit chain of {inner} dependent steps on a donated "
-                         f"pool, wall clock / {inner}")
+    return timing.collect(decode_sampler(fn, args, feedback, warmup=warmup, inner=inner,
+                                         min_chain_ms=min_chain_ms), repeats)
 
 
 # --- the report -------------------------------------------------------------------------------
