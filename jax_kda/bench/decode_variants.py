@@ -143,12 +143,6 @@ def decode_sampler(fn, args, feedback, *, warmup: int, inner: int,
                               calls="dependent steps on a donated pool")
 
 
-def time_decode(fn, args, feedback, *, repeats: int, warmup: int, inner: int,
-                min_chain_ms: float) -> timing.Timing:
-    return timing.collect(decode_sampler(fn, args, feedback, warmup=warmup, inner=inner,
-                                         min_chain_ms=min_chain_ms), repeats)
-
-
 # --- the report -------------------------------------------------------------------------------
 
 def add_floors(results: list[dict], copy_tb_s: float = COPY_TB_S) -> None:
