@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute on the fp32 recurrence (and the flashkda one beside it) at T = 8192: launch and
-# warp-state sections, and the SASS with its stall samples, per column split given in SPLITS.
+# warp-state sections, and the SASS of both with its stall samples, per column split given in SPLITS.
 # Expects the wheel installed on PYTHONPATH; writes into $OUT.
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -14,9 +14,7 @@ for split in ${SPLITS:-16}; do
       --section SourceCounters --import-source no -f -o "$OUT/$tag" \
       python3 "$REPO/scripts/profile_case.py") > "$OUT/$tag.log" 2>&1
     ncu --import "$OUT/$tag.ncu-rep" --page details > "$OUT/$tag.txt" 2>&1
-    if [[ $numerics == fp32 ]]; then
-      ncu --import "$OUT/$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/${tag}_sass.csv" 2>&1
-    fi
+    ncu --import "$OUT/$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/${tag}_sass.csv" 2>&1
     rm -f "$OUT/$tag.ncu-rep"
     echo "== $tag"; grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Stall" "$OUT/$tag.txt" | head -20
   done
