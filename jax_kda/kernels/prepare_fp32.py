@@ -17,14 +17,16 @@ Work split (step numbers are those of docs/fp32_mode.md, section 1):
      goes to shared memory next to the raw bf16 q, k, g rows. Threads 0-15: step 4,
      b = sigmoid(beta) (0 on rows past the end, whose L row is zero anyway).
      Both sigmoids (gate and beta) are ptx.sigmoid_exp2 = rcp(1 + ex2(-x log2 e)).
-  B. Thread d owns column d: step 2 (gate and its sequential f32 running sum G_r over the rows,
-     prepare.py's loop); the column's raw q, k go to registers (two bf16 a register), then a
-     barrier, then per row step 1's products q * inv, k * inv (f32), step 3's decays and decayed
-     operands, each with the reference's association. The record's fields kd_hi, qd hi/lo,
-     kr hi/lo and gt are stored straight to global memory as they are formed (a warp's 32
-     columns of a row are 64 contiguous bytes of the swizzled row: two full sectors), so these
-     20,992 bytes stream out while phase B computes and phase C runs; the six operand tiles
-     (kL, qL, kiL hi/lo) go to shared memory over the raw rows.
+  B. Thread t owns the column pair (c0, c0 + 1), c0 = 2 (t % 64), on rows 8h .. 8h + 7,
+     h = t // 64 (prepare.py's phase B split): step 2 (gate and its sequential f32 running sum
+     G_r; threads h = 0 hand G_7 to h = 1 through shared memory, which hand back gt); the raw q, k
+     pairs go to registers (one bf16x2 word a row), then a barrier, then per row step 1's
+     products q * inv, k * inv (f32), step 3's decays and decayed operands, each with the
+     reference's association, split two values at a time (one cvt.rn.bf16x2 per hi and lo
+     word). The record's fields kd_hi, qd hi/lo, kr hi/lo and gt are stored straight to global
+     memory as they are formed (a warp's 64 columns of a row are 128 contiguous bytes of the
+     swizzled row: one line), so these 20,992 bytes stream out while phase B computes and phase
+     C runs; the six operand tiles (kL, qL, kiL hi/lo) go to shared memory over the raw rows.
   C. Step 5: warp 0 forms L = strict(kL . kiL^T) * b_r, warp 1 Mqk = causal(qL . kiL^T); each
      product is three chains of mma.sync m16n8k16 (hh = a_hi.b_hi, hl = a_hi.b_lo,
      lh = a_lo.b_hi; each from zero, k-blocks ascending) summed hh + (hl + lh) in f32. Warp 0
@@ -43,9 +45,10 @@ reference's `_ftz`). All f32 arithmetic is the pinned .ftz form of ptx.py.
 (INV's pairs are rounded by cvt.rn.bf16x2.f32, the same rounding two at a time.)
 
 Shared memory (SMEM_PLAN): the six operand tiles (24,576 bytes; the raw q, k, g rows of phases
-A-B on the first three, L and the Mqk staging on kl_hi and ql_hi in phase C), the row norms and b:
-24,768 bytes per CTA; with the launch's minimum of 8 CTAs per SM, 64 registers or fewer per
-thread, so eight CTAs (32 warps) per SM on sm_90a and sm_100a.
+A-B on the first three, L and the Mqk staging on kl_hi and ql_hi in phase C), the row norms, b
+and phase B's G_7 / gt hand-over: 25,280 bytes per CTA; the launch asks for 7 CTAs per SM, i.e.
+72 registers or fewer per thread (phase B's column pairs keep 16 running sums, 16 raw q / k words
+and three constants per column of the pair, which spill at 64), 28 warps per SM.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from .prepare import (
     _copy_granules,
     _PackedRows,
     _row_major,
+    _swizzled_byte_offset,
     _swizzled_tile_layout,
     _tiled_mma_bf16,
     _WarpMma,
@@ -80,10 +84,15 @@ from .ptx import (
     fneg,
     fsub,
     gate_scale_from_lower_bound,
+    ld_shared_b32,
+    pack_bf16x2,
     pack_bf16x2_i32,
     rsqrt_approx,
     sigmoid_exp2,
+    split_hi_lo_bf16x2,
+    st_global_b32,
     st_global_v4,
+    st_shared_b32,
 )
 from .recurrence_common import sequence_start
 
@@ -124,11 +133,13 @@ SMEM_PLAN = {
     "mqk_stage": (2 * TILE_BYTES, 2 * MQK_TILE_BYTES, "C_AFTER", "C_AFTER", (1,)),
     "rnorm": (len(OPERANDS) * TILE_BYTES, 2 * CHUNK * 4, "A", "B_WRITE", None),
     "b": (len(OPERANDS) * TILE_BYTES + 2 * CHUNK * 4, CHUNK * 4, "A", "C_AFTER", None),
+    # phase B's hand-over per column: G_7 from the row-half-0 threads, then gt back from half 1
+    "g_half": (len(OPERANDS) * TILE_BYTES + 3 * CHUNK * 4, D * 4, "B_READ", "B_WRITE", None),
 }
 # Dynamic shared memory per CTA: the allocations of KdaPrepareFp32._shared_memory (operand tiles,
 # row norms, b; each 16-byte aligned, so they end where SMEM_PLAN's last entry ends).
 SMEM_BYTES = max(off + size for off, size, *_ in SMEM_PLAN.values())
-CTAS_PER_SM = 8  # 8 x (24,768 + 2 KB reserved / static) <= 228 KB, 8 x 128 x 64 registers
+CTAS_PER_SM = 7  # 7 x (25,280 + 1 KB reserved) <= 228 KB, 7 x 128 x 72 registers
 
 
 class KdaPrepareFp32:
@@ -198,7 +209,8 @@ class KdaPrepareFp32:
             # ---- A0. every global load first
             raw = self._load_rows(rows, mQ, mK, mG, n_valid, tid)
             beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
-            dt = mDtBias[head, tid]
+            pair = 2 * (tid % 64)  # phase B's column pair
+            dt = (mDtBias[head, pair], mDtBias[head, pair + 1])
             a_log = mALog[head]
             sm = self._shared_memory()
             g_rec = mWorkspace[head, slot, None]
@@ -214,9 +226,10 @@ class KdaPrepareFp32:
                 s_b[tid] = b
             cute.arch.sync_threads()
 
-            # ---- B. thread = column: gates, decays, splits; the record's kd_hi .. gt straight
-            # to global memory, the operand tiles to shared memory
-            self._column(sm, gm, tid, a_log, dt, n_valid, scale, lower_bound)
+            # ---- B. thread = column pair on half the rows: gates, decays, splits; the record's
+            # kd_hi .. gt straight to global memory, the operand tiles to shared memory
+            self._column_pairs(sm, g_rec, gm, tid, a_log, dt[0], dt[1], n_valid, scale,
+                               lower_bound)
             cute.arch.sync_threads()
 
             # ---- C. warp 0: L and INV, warp 1: Mqk (each stores its own fields); warps 2-3 done
@@ -273,6 +286,7 @@ class KdaPrepareFp32:
             Float32, cute.make_layout((2, CHUNK), stride=(CHUNK, 1)), byte_alignment=16
         )
         sm.b = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), byte_alignment=16)
+        sm.g_half = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
         return sm
 
     @cute.jit
@@ -294,55 +308,97 @@ class KdaPrepareFp32:
                     s_rnorm[which, r] = inv_norm
 
     @cute.jit
-    def _column(
-        self, sm, gm, col: Int32, a_log: Float32, dt: Float32, n_valid: Int32, scale: Float32,
-        lower_bound: Float32,
+    def _column_pairs(
+        self, sm, g_rec: cute.Tensor, gm, tid: Int32, a_log: Float32, dt0: Float32,
+        dt1: Float32, n_valid: Int32, scale: Float32, lower_bound: Float32,
     ):
-        """B: column `col` of every row: G_r (step 2), q and k normalised in f32 (step 1), the
-        decays and decayed operands (step 3), split into the record (global memory: each warp
-        stores 64 contiguous bytes of a row per field, two full 32-byte sectors) and the operand
-        tiles (shared memory)."""
-        s_q, s_k, s_g = sm.raw
-        # step 2, prepare.py's loop: gate in f32, running sum over the rows, 0 past the end
+        """B: thread t owns the column pair (c0, c0 + 1), c0 = 2 (t % 64), on rows 8h .. 8h + 7,
+        h = t // 64, so that its shared and global accesses are bf16x2 words (a warp moves 128
+        contiguous bytes of a row, one wavefront; half the instructions of one column per
+        thread) and each split rounds two values with one cvt. Per element: G_r (step 2), q and k
+        normalised in f32 (step 1), the decays and decayed operands (step 3), split into the
+        record (global memory) and the operand tiles (shared memory). Each column's running sum
+        adds its 16 gates in row order from 0: threads h = 0 hand G_7 to threads h = 1 through
+        sm.g_half, which hand back gt = ex2(G_15) there."""
+        half = tid // 64
+        c0 = 2 * (tid % 64)
+        ops = sm.ops.toint()  # the raw rows (row-major) on the first three tiles
+        rec = g_rec.iterator.toint()
+        dts = (dt0, dt1)
+        # step 2, prepare.py's gate: f32, 0 past the end; cum[j, i]: column c0 + j, row 8h + i
         a_exp = ex2_approx(fmul(a_log, Float32(LOG2E)))
         gate_scale = gate_scale_from_lower_bound(lower_bound)
-        cum = cute.make_rmem_tensor((CHUNK,), Float32)
-        total = Float32(0.0)
-        for r in cutlass.range_constexpr(CHUNK):
-            x = fmul(a_exp, fadd(bf16_to_f32(s_g[r, col]), dt))
-            gate = fmul(gate_scale, sigmoid_exp2(x))
-            if r >= n_valid:
-                gate = Float32(0.0)
-            total = fadd(total, gate)
-            cum[r] = total
-        # the raw q, k of the column, two rows per register (r low, r + 8 high): 16 registers
-        # instead of 32 f32 ones; q * inv and k * inv are formed below, the same products
-        qk = cute.make_rmem_tensor((2, CHUNK // 2), Uint32)
-        for which in cutlass.range_constexpr(2):
-            s_x = cute.recast_tensor(sm.raw[which], Uint16)
-            for r in cutlass.range_constexpr(CHUNK // 2):
-                qk[which, r] = Uint32(s_x[r, col]) | (Uint32(s_x[r + CHUNK // 2, col]) << 16)
-        # every column is in registers: the operand tiles may now overwrite the raw rows
+        cum = cute.make_rmem_tensor(cute.make_layout((2, 8), stride=(8, 1)), Float32)
+        # the raw q, k pairs of the thread's rows (one bf16x2 word per row and tensor); q * inv
+        # and k * inv are formed below
+        qk = cute.make_rmem_tensor(cute.make_layout((2, 8), stride=(8, 1)), Uint32)
+        for i in cutlass.range_constexpr(8):
+            r = half * 8 + i
+            row_off = (r * D + c0) * 2
+            g2 = ld_shared_b32(ops + 2 * TILE_BYTES + row_off)
+            for j in cutlass.range_constexpr(2):
+                g_in = bf16x2_lo_to_f32(g2) if j == 0 else bf16x2_hi_to_f32(g2)
+                gate = fmul(gate_scale, sigmoid_exp2(fmul(a_exp, fadd(g_in, dts[j]))))
+                if r >= n_valid:
+                    gate = Float32(0.0)
+                cum[j, i] = gate
+            for which in cutlass.range_constexpr(2):
+                qk[which, i] = Uint32(ld_shared_b32(ops + which * TILE_BYTES + row_off))
+        g7 = cute.make_rmem_tensor((2,), Float32)  # G_7 of the two columns
+        gt = cute.make_rmem_tensor((2,), Float32)
+        g_half, g_gt, s_rnorm = sm.g_half, gm.gt, sm.rnorm
+        if half == 0:
+            for j in cutlass.range_constexpr(2):
+                total = Float32(0.0)
+                for i in cutlass.range_constexpr(8):
+                    total = fadd(total, cum[j, i])
+                    cum[j, i] = total
+                g_half[c0 + j] = total
+                g7[j] = total
+        # every raw row is in registers (the operand tiles may now overwrite them); G_7 handed on
         cute.arch.sync_threads()
-
-        gt = ex2_approx(cum[CHUNK - 1])
-        gm.gt[col] = gt
-        up = ex2_approx(fneg(cum[REF_ROW]))  # 2^-G_7
-        down = ex2_approx(cum[REF_ROW])  # 2^G_7
-        for r in cutlass.range_constexpr(CHUNK):
-            qn = _row_value(qk, sm.rnorm, 0, r)
-            kn = _row_value(qk, sm.rnorm, 1, r)
-            e = ex2_approx(cum[r])
-            ei = ex2_approx(fneg(cum[r]))
+        if half == 1:
+            for j in cutlass.range_constexpr(2):
+                total = g_half[c0 + j]
+                g7[j] = total
+                for i in cutlass.range_constexpr(8):
+                    total = fadd(total, cum[j, i])
+                    cum[j, i] = total
+                gt[j] = ex2_approx(total)
+                g_half[c0 + j] = gt[j]
+                g_gt[c0 + j] = gt[j]
+        cute.arch.sync_threads()
+        if half == 0:
+            for j in cutlass.range_constexpr(2):
+                gt[j] = g_half[c0 + j]
+        up = (ex2_approx(fneg(g7[0])), ex2_approx(fneg(g7[1])))  # 2^-G_7
+        down = (ex2_approx(g7[0]), ex2_approx(g7[1]))  # 2^G_7
+        for i in cutlass.range_constexpr(8):
+            r = half * 8 + i
+            rq = s_rnorm[0, r]
+            rk = s_rnorm[1, r]
+            qn = (fmul(bf16x2_lo_to_f32(qk[0, i]), rq), fmul(bf16x2_hi_to_f32(qk[0, i]), rq))
+            kn = (fmul(bf16x2_lo_to_f32(qk[1, i]), rk), fmul(bf16x2_hi_to_f32(qk[1, i]), rk))
+            e = (ex2_approx(cum[0, i]), ex2_approx(cum[1, i]))
+            ei = (ex2_approx(fneg(cum[0, i])), ex2_approx(fneg(cum[1, i])))
             # the recurrence's operands
-            gm.kd_hi[r, col] = f32_to_bf16(fmul(kn, e))
-            _store_split(gm.qd_hi, gm.qd_lo, r, col, fmul(fmul(qn, e), scale))
-            _store_split(gm.kr_hi, gm.kr_lo, r, col, fmul(kn, fmul(ei, gt)))
+            kd_hi = pack_bf16x2(fmul(kn[0], e[0]), fmul(kn[1], e[1]))
+            qd = split_hi_lo_bf16x2(fmul(fmul(qn[0], e[0]), scale), fmul(fmul(qn[1], e[1]), scale))
+            kr = split_hi_lo_bf16x2(fmul(kn[0], fmul(ei[0], gt[0])), fmul(kn[1], fmul(ei[1], gt[1])))
             # step 5's operands, decayed relative to row 7
-            rel = fmul(e, up)
-            _store_split(sm.kl_hi, sm.kl_lo, r, col, fmul(kn, rel))
-            _store_split(sm.ql_hi, sm.ql_lo, r, col, fmul(fmul(qn, rel), scale))
-            _store_split(sm.kil_hi, sm.kil_lo, r, col, fmul(kn, fmul(ei, down)))
+            rel = (fmul(e[0], up[0]), fmul(e[1], up[1]))
+            kl = split_hi_lo_bf16x2(fmul(kn[0], rel[0]), fmul(kn[1], rel[1]))
+            ql = split_hi_lo_bf16x2(fmul(fmul(qn[0], rel[0]), scale),
+                                    fmul(fmul(qn[1], rel[1]), scale))
+            kil = split_hi_lo_bf16x2(fmul(kn[0], fmul(ei[0], down[0])),
+                                     fmul(kn[1], fmul(ei[1], down[1])))
+            off = _swizzled_byte_offset(r, c0)
+            for name, word in (("kd_hi", kd_hi), ("qd_hi", qd[0]), ("qd_lo", qd[1]),
+                               ("kr_hi", kr[0]), ("kr_lo", kr[1])):
+                st_global_b32(rec + (RECORD[name] + off), word)
+            for name, word in (("kl_hi", kl[0]), ("kl_lo", kl[1]), ("ql_hi", ql[0]),
+                               ("ql_lo", ql[1]), ("kil_hi", kil[0]), ("kil_lo", kil[1])):
+                st_shared_b32(ops + (SMEM_PLAN[name][0] + off), word)
 
     @cute.jit
     def _mqk(self, sm, gm, lane: Int32):
@@ -448,11 +504,10 @@ def _locate_chunk(mCuSeqlens: cute.Tensor, slot: Int32, t_total: Int32):
 
 
 def _global_record(g_rec: cute.Tensor):
-    """The record's fields as global-memory tensors of the CTA's 23,040-byte record `g_rec`."""
+    """gt and the Mqk bytes of the CTA's 23,040-byte record `g_rec` as global-memory tensors (phase
+    B stores the swizzled tiles by address)."""
     base = g_rec.iterator
     gm = _Smem()
-    for name in ("kd_hi", "qd_hi", "qd_lo", "kr_hi", "kr_lo"):
-        setattr(gm, name, _carve(base, RECORD[name], BFloat16, _swizzled_tile_layout()))
     gm.gt = _carve(base, RECORD["gt"], Float32, cute.make_layout(D))
     gm.mqk_bytes = cute.make_tensor(base + RECORD["mqk_hi"], cute.make_layout(2 * MQK_TILE_BYTES))
     return gm
@@ -479,17 +534,6 @@ def _inverse_norm(frag: cute.Tensor) -> Float32:
     for off in cutlass.range_constexpr(4):
         sq = fadd(sq, cute.arch.shuffle_sync_bfly(sq, offset=8 >> off))
     return rsqrt_approx(fadd(sq, Float32(1e-6)))
-
-
-@cute.jit
-def _row_value(qk: cute.Tensor, s_rnorm: cute.Tensor, which: int, r: int) -> Float32:
-    """Step 1's x * inv of row r (q: which = 0, k: 1) from the packed raw column."""
-    w = qk[which, r % (CHUNK // 2)]
-    if cutlass.const_expr(r < CHUNK // 2):
-        raw = bf16x2_lo_to_f32(w)
-    else:
-        raw = bf16x2_hi_to_f32(w)
-    return fmul(raw, s_rnorm[which, r])
 
 
 @cute.jit
