@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint16, Uint32, cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, cute
 from cutlass.memory import SmemAllocator
 
 from .. import contract
