@@ -14,6 +14,7 @@ reference_fp32's term sets; x' marks an operand decayed across the chunk boundar
   S' = fmaf(S, gt_a gt_b, kr_a'^T . U_a + kr_b^T . U_b),  kr_a' = k_a 2^(G_a,15 - G_a + G_b,15).
 
   python benchmarks/fp32_state_step_experiment.py [--seqlen 2048] [--heads 2] [--out FILE.json]
+      [--regimes fla,keep32,slow] [--laws normal]
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--regimes", default=",".join(regimes.REGIMES))
+    ap.add_argument("--laws", default=",".join(regimes.LAWS))
     ap.add_argument("--out")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -149,8 +152,8 @@ def main():
     serial = jax.jit(lambda a: r32.kda_prefill_reference_fp32(
         **a, scale=SCALE, lower_bound=LOWER_BOUND))
     pairs = jax.jit(lambda a: prefill_pairs(**a))
-    for regime in regimes.REGIMES:
-        for law in regimes.LAWS:
+    for regime in args.regimes.split(","):
+        for law in args.laws.split(","):
             a = regimes.make_inputs(rng, args.seqlen, args.heads, regime, law)
             want_out, want_state = oracle.kda_prefill_oracle(
                 **{n: np.asarray(x.astype(jnp.float32)) for n, x in a.items()},
@@ -163,7 +166,8 @@ def main():
             print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"seqlen": args.seqlen, "heads": args.heads, "rows": rows}, f, indent=1)
+            json.dump({"seqlen": args.seqlen, "heads": args.heads, "device": "cpu", "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
