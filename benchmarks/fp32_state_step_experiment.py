@@ -14,7 +14,7 @@ reference_fp32's term sets; x' marks an operand decayed across the chunk boundar
   S' = fmaf(S, gt_a gt_b, kr_a'^T . U_a + kr_b^T . U_b),  kr_a' = k_a 2^(G_a,15 - G_a + G_b,15).
 
   python benchmarks/fp32_state_step_experiment.py [--seqlen 2048] [--heads 2] [--out FILE.json]
-      [--regimes fla,keep32,slow] [--laws normal]
+      [--regimes fla,keep32,slow] [--laws normal] [--a-terms three | kd_hi]
 """
 
 from __future__ import annotations
@@ -34,6 +34,21 @@ from jax_kda.contract import CHUNK
 
 LOWER_BOUND = -5.0
 SCALE = 128**-0.5
+
+
+# A_ba's terms: "three" (hh + (hl + lh) on kd_b and kr_a hi / lo) or "kd_hi" (hh + hl: kd_b's hi
+# only, the way P = kd . S^T takes kd)
+A_TERMS = "three"
+
+
+def _a_ba(kd_b, kr_a):
+    """A_ba = kd_b . kr_a^T (16 x 16, contraction over the 128 keys)."""
+    if A_TERMS == "three":
+        return r32.mma_product("L", "...rd,...cd->...rc", r32.split_hi_lo(kd_b),
+                               r32.split_hi_lo(kr_a))
+    with r32._product_terms(L=("hh", "hl")):
+        return r32.mma_product("L", "...rd,...cd->...rc",
+                               r32.HiLo(r32.split_hi_lo(kd_b).hi, None), r32.split_hi_lo(kr_a))
 
 
 def _pair_workspace(q, k, g, beta, A_log, dt_bias, valid):
@@ -69,8 +84,7 @@ def _pair_workspace(q, k, g, beta, A_log, dt_bias, valid):
         "qd_b2": r32.split_hi_lo(ftz(ftz(qn_b * (e_b * gt_a)) * scale)),
         "kr_a2": r32.split_hi_lo(ftz(kn_a * (ei_a * (gt_a * gt_b)))),
         "kr_b": r32.split_hi_lo(ftz(kn_b * (ei_b * gt_b))),
-        "A_ba": r32.split_hi_lo(r32.mma_product("L", "...rd,...cd->...rc",
-                                                r32.split_hi_lo(kd_b), r32.split_hi_lo(kr_a))),
+        "A_ba": r32.split_hi_lo(_a_ba(kd_b, kr_a)),
         "B_ba": r32.split_hi_lo(r32.mma_product("Mqk", "...rd,...cd->...rc",
                                                 r32.split_hi_lo(qd_b), r32.split_hi_lo(kr_a))),
         "inv_a": r32.split_hi_lo(inv[..., 0::2, :, :]), "inv_b": r32.split_hi_lo(inv[..., 1::2, :, :]),
@@ -145,8 +159,11 @@ def main():
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--regimes", default=",".join(regimes.REGIMES))
     ap.add_argument("--laws", default=",".join(regimes.LAWS))
+    ap.add_argument("--a-terms", choices=("three", "kd_hi"), default="three")
     ap.add_argument("--out")
     args = ap.parse_args()
+    global A_TERMS
+    A_TERMS = args.a_terms
     rng = np.random.default_rng(0)
     rows = []
     serial = jax.jit(lambda a: r32.kda_prefill_reference_fp32(
@@ -166,8 +183,8 @@ def main():
             print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"seqlen": args.seqlen, "heads": args.heads, "device": "cpu", "rows": rows},
-                      f, indent=1)
+            json.dump({"seqlen": args.seqlen, "heads": args.heads, "device": "cpu",
+                       "a_terms": A_TERMS, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
