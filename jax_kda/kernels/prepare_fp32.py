@@ -111,7 +111,8 @@ RAW_ROWS = ("q", "k", "g")
 MQK_TILE_BYTES = CHUNK * CHUNK * 2
 INV_TILE_BYTES = CHUNK * CHUNK * 2
 MQK_GRANULES = 2 * MQK_TILE_BYTES // 16  # mqk_hi and mqk_lo: 64 granules, 2 per lane of warp 1
-# Phases of the kernel, in order; a CTA barrier ends A, B_READ and B_WRITE. C runs on warps 0
+# Phases of the kernel, in order; a CTA barrier ends A and B_WRITE, two end B_READ (the raw rows
+# read and G_7 handed on, then gt handed back: g_half lives across both). C runs on warps 0
 # (L, INV) and 1 (Mqk) independently: C_PRODUCT is a warp's MMA chains, C_AFTER what the same warp
 # does after a __syncwarp that follows its product.
 PHASES = ("A", "B_READ", "B_WRITE", "C_PRODUCT", "C_AFTER")
