@@ -389,19 +389,11 @@ class KdaPrepare:
                 cum[j, i] = gate
         if half == 0:
             for j in cutlass.range_constexpr(2):
-                total = Float32(0.0)
-                for i in cutlass.range_constexpr(8):
-                    total = fadd(total, cum[j, i])
-                    cum[j, i] = total
-                s_gt[c0 + j] = total
+                s_gt[c0 + j] = running_sum_of_half(cum, j, Float32(0.0))
         cute.arch.sync_threads()
         if half == 1:
             for j in cutlass.range_constexpr(2):
-                total = s_gt[c0 + j]
-                for i in cutlass.range_constexpr(8):
-                    total = fadd(total, cum[j, i])
-                    cum[j, i] = total
-                s_gt[c0 + j] = ex2_approx(total)
+                s_gt[c0 + j] = ex2_approx(running_sum_of_half(cum, j, s_gt[c0 + j]))
         cute.arch.sync_threads()
         gt2 = pack_bf16x2(s_gt[c0], s_gt[c0 + 1])
         scale2 = pack_bf16x2(scale, scale)
@@ -701,6 +693,18 @@ class _PackedRows:
 def _carve(base, byte_offset, dtype, layout):
     """Tensor of `dtype` with `layout` at `byte_offset` of a shared-memory byte array."""
     return cute.make_tensor(cute.recast_ptr(base + byte_offset, dtype=dtype), layout)
+
+
+@cute.jit
+def running_sum_of_half(cum: cute.Tensor, j: int, start: Float32) -> Float32:
+    """Phase B's half of column j's cumulative gate: cum[j, i] (the gates of the thread's 8 rows)
+    becomes start + cum[j, 0] + ... + cum[j, i], f32 additions in row order; returns the last
+    (G_7 for the first half from start 0, G_15 for the second from G_7)."""
+    total = start
+    for i in cutlass.range_constexpr(8):
+        total = fadd(total, cum[j, i])
+        cum[j, i] = total
+    return total
 
 
 @cute.jit

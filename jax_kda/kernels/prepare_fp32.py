@@ -70,6 +70,7 @@ from .prepare import (
     _swizzled_tile_layout,
     _tiled_mma_bf16,
     _WarpMma,
+    running_sum_of_half,
 )
 from .ptx import (
     LOG2E,
@@ -102,6 +103,8 @@ NUM_THREADS = 128
 RECORD = contract.FP32_RECORD
 RECORD_BYTES = contract.FP32_RECORD_BYTES
 REF_ROW = 7  # L and Mqk's operands are decayed relative to this row's cumulative gate
+# phase B's first row half ends at REF_ROW, so the sum it hands on is the G_7 those decays need
+assert REF_ROW == CHUNK // 2 - 1
 TILE_BYTES = CHUNK * D * 2
 L_ROW_STRIDE = CHUNK + 1  # floats per row of L in shared memory
 # The operand tiles of step 5, in shared memory after the record. The raw q, k, g rows of phases
@@ -229,8 +232,8 @@ class KdaPrepareFp32:
 
             # ---- B. thread = column pair on half the rows: gates, decays, splits; the record's
             # kd_hi .. gt straight to global memory, the operand tiles to shared memory
-            self._column_pairs(sm, g_rec, gm, tid, a_log, dt[0], dt[1], n_valid, scale,
-                               lower_bound)
+            self._column_pairs(sm, g_rec, gm, tid // 64, pair, a_log, dt[0], dt[1], n_valid,
+                               scale, lower_bound)
             cute.arch.sync_threads()
 
             # ---- C. warp 0: L and INV, warp 1: Mqk (each stores its own fields); warps 2-3 done
@@ -310,19 +313,17 @@ class KdaPrepareFp32:
 
     @cute.jit
     def _column_pairs(
-        self, sm, g_rec: cute.Tensor, gm, tid: Int32, a_log: Float32, dt0: Float32,
+        self, sm, g_rec: cute.Tensor, gm, half: Int32, c0: Int32, a_log: Float32, dt0: Float32,
         dt1: Float32, n_valid: Int32, scale: Float32, lower_bound: Float32,
     ):
         """B: thread t owns the column pair (c0, c0 + 1), c0 = 2 (t % 64), on rows 8h .. 8h + 7,
-        h = t // 64, so that its shared and global accesses are bf16x2 words (a warp moves 128
+        h = half = t // 64, so that its shared and global accesses are bf16x2 words (a warp moves 128
         contiguous bytes of a row, one wavefront; half the instructions of one column per
         thread) and each split rounds two values with one cvt. Per element: G_r (step 2), q and k
         normalised in f32 (step 1), the decays and decayed operands (step 3), split into the
         record (global memory) and the operand tiles (shared memory). Each column's running sum
         adds its 16 gates in row order from 0: threads h = 0 hand G_7 to threads h = 1 through
-        sm.g_half, which hand back gt = ex2(G_15) there."""
-        half = tid // 64
-        c0 = 2 * (tid % 64)
+        sm.g_half, which hand back gt = ex2(G_15) there (G_7: the rows are split at REF_ROW)."""
         ops = sm.ops.toint()  # the raw rows (row-major) on the first three tiles
         rec = g_rec.iterator.toint()
         dts = (dt0, dt1)
@@ -350,22 +351,14 @@ class KdaPrepareFp32:
         g_half, g_gt, s_rnorm = sm.g_half, gm.gt, sm.rnorm
         if half == 0:
             for j in cutlass.range_constexpr(2):
-                total = Float32(0.0)
-                for i in cutlass.range_constexpr(8):
-                    total = fadd(total, cum[j, i])
-                    cum[j, i] = total
-                g_half[c0 + j] = total
-                g7[j] = total
+                g7[j] = running_sum_of_half(cum, j, Float32(0.0))
+                g_half[c0 + j] = g7[j]
         # every raw row is in registers (the operand tiles may now overwrite them); G_7 handed on
         cute.arch.sync_threads()
         if half == 1:
             for j in cutlass.range_constexpr(2):
-                total = g_half[c0 + j]
-                g7[j] = total
-                for i in cutlass.range_constexpr(8):
-                    total = fadd(total, cum[j, i])
-                    cum[j, i] = total
-                gt[j] = ex2_approx(total)
+                g7[j] = g_half[c0 + j]
+                gt[j] = ex2_approx(running_sum_of_half(cum, j, g7[j]))
                 g_half[c0 + j] = gt[j]
                 g_gt[c0 + j] = gt[j]
         cute.arch.sync_threads()
