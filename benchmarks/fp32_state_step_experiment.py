@@ -38,61 +38,52 @@ SCALE = 128**-0.5
 
 # A_ba's terms: "three" (hh + (hl + lh) on kd_b and kr_a hi / lo) or "kd_hi" (hh + hl: kd_b's hi
 # only, the way P = kd . S^T takes kd)
-A_TERMS = "three"
+A_TERMS = ("three", "kd_hi")
 
 
-def _a_ba(kd_b, kr_a):
-    """A_ba = kd_b . kr_a^T (16 x 16, contraction over the 128 keys)."""
-    if A_TERMS == "three":
-        return r32.mma_product("L", "...rd,...cd->...rc", r32.split_hi_lo(kd_b),
-                               r32.split_hi_lo(kr_a))
-    with r32._product_terms(L=("hh", "hl")):
-        return r32.mma_product("L", "...rd,...cd->...rc",
-                               r32.HiLo(r32.split_hi_lo(kd_b).hi, None), r32.split_hi_lo(kr_a))
-
-
-def _pair_workspace(q, k, g, beta, A_log, dt_bias, valid):
-    """Per chunk (axis -3) today's f32 operands, then the pair fields; chunks [..., 2P, 16, 128]."""
+def _pair_workspace(q, k, g, beta, A_log, dt_bias, valid, a_terms="three"):
+    """Today's record of every chunk (reference_fp32.prepare_reference_fp32) and the fields that
+    cross a pair's boundary; chunks [..., 2P, 16, 128], chunk a = 2p, b = 2p + 1."""
+    ws = r32.prepare_reference_fp32(q, k, g, beta, A_log, dt_bias, scale=SCALE,
+                                    lower_bound=LOWER_BOUND, valid=valid)
+    # the f32 operands the record was split from, for the pre-decayed ones
     rows = valid[..., None]
     qn, kn = r32._normalized(q, rows), r32._normalized(k, rows)
     G = ref.gate_cumsum(g, A_log, dt_bias, LOWER_BOUND, valid, sigmoid=r32.sigmoid_exp2)
-    e, ei, gt, up, down = r32._decays(G)
-    scale = jnp.float32(SCALE)
+    e, ei, gt, _, _ = r32._decays(G)
     b = r32.sigmoid_exp2(beta)
-    strict = ref._strict_lower(CHUNK)
-    rel = e * up
-    kil = r32.split_hi_lo(kn * (ei * down))
-    lmat = r32.mma_product("L", "...rd,...cd->...rc", r32.split_hi_lo(kn * rel), kil)
-    lmat = jnp.where(strict, lmat, 0.0) * b[..., :, None]
-    mqk = r32.mma_product("Mqk", "...rd,...cd->...rc", r32.split_hi_lo((qn * rel) * scale), kil)
-    mqk = jnp.where(~strict.T, mqk, 0.0)
-    inv = ref.forward_substitution_inverse(lmat)
 
-    def ab(x):
-        return x[..., 0::2, :, :], x[..., 1::2, :, :]
+    def pick(x, chunk):  # chunk a (0) or b (1) of every pair; chunk axis -3 (tiles) or -2
+        if isinstance(x, r32.HiLo):
+            return r32.HiLo(*(None if p is None else pick(p, chunk) for p in x))
+        axis = x.ndim - (3 if x.ndim == q.ndim else 2)
+        return jax.lax.slice_in_dim(x, chunk, None, 2, axis)
 
-    (qn_a, qn_b), (kn_a, kn_b), (e_a, e_b), (ei_a, ei_b) = ab(qn), ab(kn), ab(e), ab(ei)
-    gt_a, gt_b = gt[..., 0::2, None, :], gt[..., 1::2, None, :]
-    ftz = r32._ftz
-    kr_a = ftz(kn_a * (ei_a * gt_a))  # relative to the boundary (today's kr_a)
-    kd_b = ftz(kn_b * e_b)
-    qd_b = ftz(ftz(qn_b * e_b) * scale)
-    ws = {
-        "kd_a": r32.HiLo(ref._narrow(ftz(kn_a * e_a), jnp.bfloat16), None),
-        "qd_a": r32.split_hi_lo(ftz(ftz(qn_a * e_a) * scale)),
-        "kd_b2": r32.HiLo(ref._narrow(ftz(kn_b * (e_b * gt_a)), jnp.bfloat16), None),
-        "qd_b2": r32.split_hi_lo(ftz(ftz(qn_b * (e_b * gt_a)) * scale)),
-        "kr_a2": r32.split_hi_lo(ftz(kn_a * (ei_a * (gt_a * gt_b)))),
-        "kr_b": r32.split_hi_lo(ftz(kn_b * (ei_b * gt_b))),
-        "A_ba": r32.split_hi_lo(_a_ba(kd_b, kr_a)),
-        "B_ba": r32.split_hi_lo(r32.mma_product("Mqk", "...rd,...cd->...rc",
-                                                r32.split_hi_lo(qd_b), r32.split_hi_lo(kr_a))),
-        "inv_a": r32.split_hi_lo(inv[..., 0::2, :, :]), "inv_b": r32.split_hi_lo(inv[..., 1::2, :, :]),
-        "mqk_a": r32.split_hi_lo(mqk[..., 0::2, :, :]), "mqk_b": r32.split_hi_lo(mqk[..., 1::2, :, :]),
-        "gt2": (gt_a * gt_b)[..., 0, :],
-        "b_a": b[..., 0::2, :], "b_b": b[..., 1::2, :],
+    def a_(x):
+        return pick(x, 0)
+
+    def b_(x):
+        return pick(x, 1)
+
+    gt_a, gt_b = a_(gt)[..., None, :], b_(gt)[..., None, :]
+    ftz, scale = r32._ftz, jnp.float32(SCALE)
+    if a_terms == "three":
+        a_ba = r32.mma_product("L", "...rd,...cd->...rc",
+                               r32.split_hi_lo(ftz(b_(kn) * b_(e))), a_(ws.kr))
+    else:
+        with r32._product_terms(L=("hh", "hl")):
+            a_ba = r32.mma_product("L", "...rd,...cd->...rc", b_(ws.kd), a_(ws.kr))
+    return {
+        "kd_a": a_(ws.kd), "qd_a": a_(ws.qd), "kr_b": b_(ws.kr),
+        "kd_b2": r32.HiLo(ref._narrow(ftz(b_(kn) * (b_(e) * gt_a)), jnp.bfloat16), None),
+        "qd_b2": r32.split_hi_lo(ftz(ftz(b_(qn) * (b_(e) * gt_a)) * scale)),
+        "kr_a2": r32.split_hi_lo(ftz(a_(kn) * (a_(ei) * (gt_a * gt_b)))),
+        "A_ba": r32.split_hi_lo(a_ba),
+        "B_ba": r32.split_hi_lo(r32.mma_product("Mqk", "...rd,...cd->...rc", b_(ws.qd),
+                                                a_(ws.kr))),
+        "inv_a": a_(ws.inv), "inv_b": b_(ws.inv), "mqk_a": a_(ws.mqk), "mqk_b": b_(ws.mqk),
+        "gt2": (gt_a * gt_b)[..., 0, :], "b_a": a_(b), "b_b": b_(b),
     }
-    return ws
 
 
 def _pair_step(state, x):
@@ -119,8 +110,8 @@ def _pair_step(state, x):
     return new_state, (out_a, out_b)
 
 
-def prefill_pairs(q, k, v, g, beta, A_log, dt_bias):
-    """Batched prefill (no cu_seqlens), T a multiple of 32, zero initial state."""
+def prefill_pairs(q, k, v, g, beta, A_log, dt_bias, a_terms="three"):
+    """Batched prefill (no cu_seqlens), T a multiple of 32, zero initial state; a_terms: A_TERMS."""
     B, T, H, D = q.shape
     assert T % (2 * CHUNK) == 0
     C = T // CHUNK
@@ -131,7 +122,7 @@ def prefill_pairs(q, k, v, g, beta, A_log, dt_bias):
     valid = jnp.ones((B, H, C, CHUNK), bool)
     ws = _pair_workspace(chunked(q), chunked(k), chunked(g), chunked(beta),
                          jnp.asarray(A_log, jnp.float32)[None, :, None],
-                         jnp.asarray(dt_bias, jnp.float32)[None, :, None, :], valid)
+                         jnp.asarray(dt_bias, jnp.float32)[None, :, None, :], valid, a_terms)
     vc = chunked(v)
 
     def first(x):  # pair axis (-3 for matrices / -2 for vectors) to the front
@@ -159,16 +150,14 @@ def main():
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--regimes", default=",".join(regimes.REGIMES))
     ap.add_argument("--laws", default=",".join(regimes.LAWS))
-    ap.add_argument("--a-terms", choices=("three", "kd_hi"), default="three")
+    ap.add_argument("--a-terms", choices=A_TERMS, default="three")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global A_TERMS
-    A_TERMS = args.a_terms
     rng = np.random.default_rng(0)
     rows = []
     serial = jax.jit(lambda a: r32.kda_prefill_reference_fp32(
         **a, scale=SCALE, lower_bound=LOWER_BOUND))
-    pairs = jax.jit(lambda a: prefill_pairs(**a))
+    pairs = jax.jit(lambda a: prefill_pairs(**a, a_terms=args.a_terms))
     for regime in args.regimes.split(","):
         for law in args.laws.split(","):
             a = regimes.make_inputs(rng, args.seqlen, args.heads, regime, law)
@@ -184,7 +173,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"seqlen": args.seqlen, "heads": args.heads, "device": "cpu",
-                       "a_terms": A_TERMS, "rows": rows}, f, indent=1)
+                       "a_terms": args.a_terms, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def test_the_32_token_step_is_the_recurrence_at_the_16_token_steps_accuracy(regi
     assert same > 0.8, same  # measured 0.87 (slow) .. 0.9+ (fla) at T = 128
 
 
-def test_dropping_the_cross_chunk_correction_is_caught():
+def test_dropping_the_cross_chunk_correction_is_caught(monkeypatch):
     """Without A_ba . U_a (P_b then ignores chunk a's update) the error is far off: the test above
     can fail."""
     rng = np.random.default_rng(8)
@@ -55,9 +55,6 @@ def test_dropping_the_cross_chunk_correction_is_caught():
         zero = jnp.zeros_like(ws["A_ba"].hi)
         return {**ws, "A_ba": r32.HiLo(zero, zero)}
 
-    exp._pair_workspace = without_correction
-    try:
-        out, _ = jax.jit(lambda a: exp.prefill_pairs(**a))(a)
-    finally:
-        exp._pair_workspace = real
+    monkeypatch.setattr(exp, "_pair_workspace", without_correction)
+    out, _ = jax.jit(lambda a: exp.prefill_pairs(**a))(a)
     assert exp.rel_rmse(out, want_out) > 5e-3
