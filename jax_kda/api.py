@@ -45,6 +45,7 @@ def kda_prefill(
     checkpoint_every=None,
     numerics="flashkda",
     sequence_parallel="auto",
+    overlap=None,
 ):
     """Kimi Delta Attention prefill (chunked delta-rule recurrence), forward only.
 
@@ -96,6 +97,13 @@ def kda_prefill(
         exactly (jax_kda._sequence_parallel, docs/fp32_mode.md section 8). As accurate as the
         serial mode, not bitwise equal to it, so "auto" results depend on the call's shapes
         and the GPU's SM count; "off" or a fixed n does not. The reference backend plans alike.
+      overlap: None or False (default): prepare and the recurrence as two calls, one after the
+        other. True (plain numerics="flashkda" prefill, column-split recurrence; experimental,
+        not yet timed on a GPU): one call in which the recurrence may start while prepare still
+        writes the workspace, waiting for each chunk's record (docs/kernel_abi.md "Overlapped
+        prefill"); side by side only where the recurrence's CTAs are fewer than the GPU's SMs,
+        else one after the other. Same bits either way, and no deadlock however the GPU
+        schedules the two (prepare never waits for the recurrence).
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the
@@ -110,7 +118,7 @@ def kda_prefill(
     jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports.
     """
     _checks.check_options("kda_prefill", inverse, backend, numerics)
-    launch = _launch.requested(recurrence, column_split)
+    launch = _launch.requested(recurrence, column_split, overlap)
     problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -135,7 +143,8 @@ def kda_prefill(
         options = {"scale": problem.scale, "lower_bound": problem.lower_bound,
                    "inverse": inverse, "backend": backend, "column_split": column_split,
                    "recurrence": recurrence, "checkpoint_every": checkpoint_every,
-                   "numerics": numerics, "sequence_parallel": sequence_parallel}
+                   "numerics": numerics, "sequence_parallel": sequence_parallel,
+                   "overlap": overlap}
         out, final_state, checkpoints = _partitioning.shard_over_heads(
             functools.partial(_local_prefill, options=options), _partitioning.PREFILL,
             (*arrays, None), *explicit)

@@ -7,6 +7,7 @@
 #   WHEEL_DIR: where the built wheel is (default .whl)
 #   SANITIZER_CASE: the script the sanitizer stage runs (default sanitizer_case.py; the fp32
 #           mode's: sanitizer_case_fp32.py)
+#   SANITIZER_TOOLS: compute-sanitizer tools of that stage (default "memcheck racecheck")
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$REPO/gpu_out}"; mkdir -p "$OUT"
@@ -35,7 +36,7 @@ for stage in $STAGES; do
       echo "checkpoint cost exit $?" ;;
     tests) GPU_TEST_TIMEOUT="${GPU_TEST_TIMEOUT:-330}" bash "$REPO/scripts/gpu_roundtrip.sh" gpu tests ;;
     sanitizer)
-      for tool in memcheck racecheck; do
+      for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
         echo "== compute-sanitizer $tool"
         (cd /tmp && PYTHONPATH="$site:${PYTHONPATH:-}" timeout ${SANITIZER_TIMEOUT:-150} compute-sanitizer --tool $tool --kernel-name kns=jax_kdakernels \
           --error-exitcode 9 \

@@ -161,7 +161,7 @@ def test_markdown_tables_hold_the_measured_medians(bench_run):
     assert "prepare" not in text.splitlines()[2]  # never-timed variants get no column
 
 
-def _lowered_chain(monkeypatch, kind, block_v, numerics="flashkda"):
+def _lowered_chain(monkeypatch, kind, block_v, numerics="flashkda", overlap=None):
     """(StableHLO text for CUDA of 3 chained calls of a kernel variant on a small packed case,
     the variant's info): what the GPU timing compiles, lowered here without a GPU."""
     from jax_kda import api
@@ -176,29 +176,34 @@ def _lowered_chain(monkeypatch, kind, block_v, numerics="flashkda"):
     monkeypatch.setattr(jax_variants, "compute_workspace", abstract_workspace)
     case = cases.Case((40, 0, 17), 3, "varlen")
     x = inputs.to_jax(inputs.make_inputs(case))
-    fn, args, feedback, info = jax_variants.build(jax_variants.Variant(kind, block_v, numerics),
-                                                  case, x, inverse="stable")
+    variant = jax_variants.Variant(kind, block_v, numerics, overlap=overlap)
+    fn, args, feedback, info = jax_variants.build(variant, case, x, inverse="stable")
     text = (timing.chain_jax(fn, 3, feedback).trace(*args)
             .lower(lowering_platforms=("cuda",)).as_text())
     return text, info
 
 
-@pytest.mark.parametrize("kind,block_v,prepares,recurrences", [
-    ("prepare", None, 3, 0), ("recurrence", 32, 0, 3), ("recurrence", "auto", 0, 3),
-    ("total", 128, 3, 3), ("total", "auto", 3, 3), ("recurrence", "baseline", 0, 3),
-    ("total", "baseline", 3, 3)])
+@pytest.mark.parametrize("kind,block_v,overlap,prepares,recurrences,overlapped", [
+    ("prepare", None, None, 3, 0, 0), ("recurrence", 32, None, 0, 3, 0),
+    ("recurrence", "auto", None, 0, 3, 0), ("total", 128, False, 3, 3, 0),
+    ("total", "auto", False, 3, 3, 0), ("recurrence", "baseline", None, 0, 3, 0),
+    ("total", "baseline", None, 3, 3, 0),
+    ("total", "auto", None, 3, 3, 0),  # left open: the two calls
+    ("total", "auto", True, 0, 0, 3), ("total", 128, True, 0, 0, 3)])
 def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
-        monkeypatch, kind, block_v, prepares, recurrences):
+        monkeypatch, kind, block_v, overlap, prepares, recurrences, overlapped):
     """What the GPU timing will compile: R chained calls, each with its custom calls, for CUDA."""
-    text, info = _lowered_chain(monkeypatch, kind, block_v)
+    text, info = _lowered_chain(monkeypatch, kind, block_v, overlap=overlap)
     if block_v == "auto":
         assert info["block_v_used"] in (16, 32, 64, 128)
     assert text.count("@jax_kda_prepare_v1") == prepares
     assert text.count("@jax_kda_recurrence_v1") == recurrences
+    assert text.count("@jax_kda_prefill_overlap_v1") == overlapped
+    assert info.get("overlap_used", False) == bool(overlapped)
     attrs = re.findall(r"block_v = (\d+) : i32", text)
     if block_v == "baseline":  # the baseline kernel: attribute value 0, labelled "baseline"
         assert info["block_v_used"] == "baseline" and attrs == ["0"] * 3
-    elif recurrences:
+    elif recurrences or overlapped:
         assert attrs == [str(info["block_v_used"])] * 3
 
 

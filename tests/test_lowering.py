@@ -145,6 +145,16 @@ def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, column_spli
     assert f"block_v = {want} : i32" in split
     # the prepare call does not depend on the recurrence kernel
     assert baseline["jax_kda_prepare_v1"] == lower()["jax_kda_prepare_v1"]
+    assert lower(overlap=False) == lower()
+    # overlap=True: one call runs both kernels, with prepare's gate attributes, the column split
+    # and the prepare CTAs per SM beside the recurrence
+    fused = lower(column_split=column_split, overlap=True)
+    assert set(fused) == {"jax_kda_prefill_overlap_v1"}
+    fused = fused["jax_kda_prefill_overlap_v1"]
+    assert f"block_v = {want} : i32" in fused
+    assert f"overlap = {contract.OVERLAP_PREPARE_CTAS_PER_SM} : i32" in fused
+    for attr in ("scale", "lower_bound", "inverse"):
+        assert re.search(attr + r" = [^,}]+", fused).group() in baseline["jax_kda_prepare_v1"]
 
 
 def test_default_recurrence_runs_the_baseline_for_many_short_sequences(monkeypatch):

@@ -25,6 +25,8 @@ class Variant:
     numerics: str = FLASHKDA  # the jax_kda numerics mode (contract.NUMERICS) it runs
     # kda_prefill(sequence_parallel=segments): an int or "auto" (total, fp32 only; None: "off")
     segments: int | str | None = None
+    # kda_prefill(overlap=...) of a total variant: None (the heuristic), True or False
+    overlap: bool | None = None
 
     @property
     def name(self) -> str:
@@ -37,6 +39,8 @@ class Variant:
             parts.append(f"bv={self.block_v}")
         if self.segments is not None:
             parts.append(f"sp={self.segments}")
+        if self.overlap is not None:
+            parts.append("ov=on" if self.overlap else "ov=off")
         return ":".join(parts)
 
     @property
@@ -180,11 +184,14 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
         raise VariantUnavailable(why)
     from .. import _checks, _kernel_path, _launch
 
-    requested = _launch.requested(*_kda_prefill_launch(variant.block_v))
+    # the recurrence kind times the recurrence kernel alone: never the overlapped call
+    overlap = variant.overlap if variant.kind == "total" else False
+    requested = _launch.requested(*_kda_prefill_launch(variant.block_v), overlap)
     launch = _launch.resolve(requested, num_seqs=case.num_seqs, heads=case.heads,
                              numerics=variant.numerics, tokens=case.tokens,
                              baseline_allowed=True)  # plain prefill, as kda_prefill resolves it
-    info = {"block_v_used": "baseline" if launch.kernel == "baseline" else launch.column_split}
+    info = {"block_v_used": "baseline" if launch.kernel == "baseline" else launch.column_split,
+            "overlap_used": bool(launch.overlap)}
     kernel_choice = ({"recurrence": "baseline"} if launch.kernel == "baseline"
                      else {"column_split": launch.column_split})
     cu = jnp.asarray(case.cu_seqlens(), jnp.int32)  # the packed view of batched inputs too
@@ -202,7 +209,8 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
         def total(q, k, v, g, beta, A_log, dt_bias, state):
             return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
                                output_final_state=True, backend="kernel", numerics=numerics,
-                               **kernel_choice, **opts, **extra, **split)
+                               overlap=launch.overlap, **kernel_choice, **opts, **extra,
+                               **split)
         return total, gate_args, _state_feedback, info
 
     def prepare(q, k, g, beta, A_log, dt_bias, cu):

@@ -1094,3 +1094,38 @@ def sigmoid_exp2(x, *, loc=None, ip=None) -> Float32:
     numerics mode's gates and betas (docs/fp32_mode.md)."""
     e = ex2_approx(fmul(x, Float32(-LOG2E), loc=loc, ip=ip), loc=loc, ip=ip)
     return rcp_approx(fadd(e, Float32(1.0), loc=loc, ip=ip), loc=loc, ip=ip)
+
+
+# ---------------------------------------------------------------- ready counters between grids
+# The overlapped prefill (docs/kernel_abi.md "Overlapped prefill"): prepare CTAs count finished
+# records in global u32 words, the recurrence waits for the count it needs. The writer publishes
+# with a gpu-scope fence before a relaxed add (its CTA's stores are ordered before it by a CTA
+# barrier), the reader observes with acquire loads, so every store of the counted records happens
+# before the reader's later loads.
+@dsl_user_op
+def publish_count(gmem_addr, *, loc=None, ip=None):
+    """fence.acq_rel.gpu, then *(u32*)addr += 1 (relaxed, gpu scope)."""
+    _store(
+        [_i64(gmem_addr, loc, ip)],
+        "fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [$1], 1;",
+        "l",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def wait_count_at_least(gmem_addr, expected, *, loc=None, ip=None):
+    """Spin until *(u32*)addr >= expected (ld.acquire.gpu; a short nanosleep between polls so
+    that a waiting warp leaves the issue slots to the CTAs that produce the count)."""
+    _store(
+        [_i64(gmem_addr, loc, ip), _i32(expected, loc, ip)],
+        "{\n\t.reg .pred p;\n\t.reg .u32 v;\n\tPOLL_AGAIN:\n\t"
+        "ld.acquire.gpu.global.u32 v, [$1];\n\t"
+        "setp.lt.u32 p, v, $2;\n\t"
+        "@p nanosleep.u32 64;\n\t"
+        "@p bra POLL_AGAIN;\n\t}",
+        "l,r",
+        loc,
+        ip,
+    )
