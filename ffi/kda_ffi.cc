@@ -192,11 +192,16 @@ std::string CheckOverlapAttrs(float scale, float lower_bound, int32_t inverse, i
                               int32_t overlap) {
   const char* call = "prefill_overlap";
   if (std::string e = CheckGateAttrs(call, scale, lower_bound, inverse); !e.empty()) return e;
-  if (block_v == kBaselineBlockV) {
-    return "prefill_overlap: attribute block_v must be a column split (the baseline kernel has "
-           "no overlapped variant)";
+  std::string splits;
+  bool known = false;
+  for (int32_t split : kOverlapColumnSplits) {
+    known = known || block_v == split;
+    splits += (splits.empty() ? "" : ", ") + std::to_string(split);
   }
-  if (std::string e = CheckBlockV(block_v); !e.empty()) return e;
+  if (!known) {
+    return "prefill_overlap: attribute block_v must be one of " + splits + ", got " +
+           std::to_string(block_v);
+  }
   if (overlap < 0 || overlap > 64) {
     return "prefill_overlap: attribute overlap must be 0 (one kernel after the other) or the "
            "prepare CTAs per SM beside the recurrence, 1..64, got " + std::to_string(overlap);

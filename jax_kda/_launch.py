@@ -15,7 +15,7 @@ import math
 
 import jax
 
-from .contract import COLUMN_SPLITS, HEAD_DIM
+from .contract import COLUMN_SPLITS, HEAD_DIM, OVERLAP_COLUMN_SPLITS
 
 RECURRENCE_KERNELS = ("auto", "column_split", "baseline")
 _DEFAULT_SM_COUNT = 132  # H200; used only when no GPU is visible at trace time
@@ -88,6 +88,9 @@ def requested(recurrence: str, column_split, overlap=None) -> RecurrenceLaunch:
     if recurrence == "baseline" and overlap:
         raise ValueError("kda_prefill: overlap=True runs the column-split recurrence; "
                          "recurrence='baseline' has no overlapped launch")
+    if overlap and column_split is not None and column_split not in OVERLAP_COLUMN_SPLITS:
+        raise ValueError(f"kda_prefill: overlap=True takes column_split in {OVERLAP_COLUMN_SPLITS} "
+                         f"or None, got {column_split!r}")
     if recurrence == "auto" and column_split is not None:
         recurrence = "column_split"  # a column split names the column-split kernel
     if recurrence == "baseline":
@@ -117,6 +120,8 @@ def resolve(launch: RecurrenceLaunch, *, num_seqs: int, heads: int,
         return RecurrenceLaunch("baseline", None, False)
     block_v = launch.column_split or choose_block_v(
         num_seqs=num_seqs, heads=heads, sm_count=sm_count, numerics=numerics)
+    if launch.overlap:
+        assert block_v in OVERLAP_COLUMN_SPLITS  # the flashkda heuristic picks 16 or 64
     # Left open, the overlapped call is not taken: it has not been timed on a GPU yet
     # (docs/perf_notes.md, "Overlapped prefill"), so the default stays the two measured calls.
     return RecurrenceLaunch("column_split", block_v, bool(launch.overlap))

@@ -69,6 +69,9 @@ def workspace_slots(total_tokens: int, num_seqs: int) -> int:
 # int32 words: word h * ready_blocks(S) + b counts the records prepare has finished among head h's
 # slots 16 b .. 16 b + 15.
 READY_BLOCK_SLOTS = 16
+# The column splits of the overlapped call's recurrence: its extra warp would make block_v = 128
+# (nine warps) spill registers.
+OVERLAP_COLUMN_SPLITS = (16, 32, 64)
 # Prepare CTAs per SM while the recurrence runs beside them (the prefill_overlap call's `overlap`
 # attribute): few enough that a recurrence CTA still fits on every SM.
 OVERLAP_PREPARE_CTAS_PER_SM = 4
@@ -135,6 +138,7 @@ def cpp_header() -> str:
     """The C++ header with the numbers the FFI handlers check and dispatch on."""
     sms = ", ".join(str(arch_sm(a)) for a in ARCHS)
     splits = ", ".join(str(b) for b in COLUMN_SPLITS)
+    overlap_splits = ", ".join(str(b) for b in OVERLAP_COLUMN_SPLITS)
     lines = [
         "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); do not edit.",
         "#pragma once",
@@ -156,6 +160,7 @@ def cpp_header() -> str:
         f"constexpr int32_t kStateF32 = {STATE_DTYPE_IDS['f32']};",
         f"constexpr int64_t kMaxDecodeTokens = {MAX_DECODE_TOKENS};",
         f"constexpr int64_t kReadyBlockSlots = {READY_BLOCK_SLOTS};",
+        f"constexpr int32_t kOverlapColumnSplits[] = {{{overlap_splits}}};",
         f"constexpr int kSupportedSms[] = {{{sms}}};  // 10 * major + minor",
         "",
         "}  // namespace jax_kda",

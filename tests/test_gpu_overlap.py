@@ -72,7 +72,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("block_v", contract.COLUMN_SPLITS)
+@pytest.mark.parametrize("block_v", contract.OVERLAP_COLUMN_SPLITS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_overlapped_call_is_bitwise_the_two_separate_calls(case, block_v):
     cu, heads = CASES[case]

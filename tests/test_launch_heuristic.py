@@ -151,6 +151,8 @@ def test_overlap_is_opt_in_and_only_for_plain_flashkda_prefill():
         _launch.requested("baseline", None, True)
     with pytest.raises(ValueError, match="overlap must be"):
         _launch.requested("auto", None, 1)
+    with pytest.raises(ValueError, match="column_split in"):
+        _launch.requested("auto", 128, True)
 
 
 THROUGHPUT = GRID.parent / "h200-20261201-throughput.csv"

@@ -126,7 +126,8 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
         specs.append(Spec("prepare_fp32", None, arch))
         specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs += [Spec("prepare", inv, arch, overlap=True) for inv in contract.INVERSE_IDS]
-        specs += [Spec("recurrence", bv, arch, overlap=True) for bv in contract.COLUMN_SPLITS]
+        specs += [Spec("recurrence", bv, arch, overlap=True)
+                  for bv in contract.OVERLAP_COLUMN_SPLITS]
     return specs
 
 
