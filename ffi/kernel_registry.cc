@@ -22,16 +22,26 @@ namespace {
   return {};
 
 // ---- launchers ------------------------------------------------------------------------------
+#define JAX_KDA_PREPARE_FILLS(P)                                                        \
+  JAX_KDA_FILL(P, mQ, q)                                                                \
+  JAX_KDA_FILL(P, mK, k)                                                                \
+  JAX_KDA_FILL(P, mG, g)                                                                \
+  JAX_KDA_FILL(P, mBeta, beta)                                                          \
+  JAX_KDA_FILL(P, mALog, a_log)                                                         \
+  JAX_KDA_FILL(P, mDtBias, dt_bias)                                                     \
+  JAX_KDA_FILL(P, mCuSeqlens, cu_seqlens)                                               \
+  JAX_KDA_FILL(P, mWorkspace, workspace)
+#define JAX_KDA_RECURRENCE_FILLS(P)                                                     \
+  JAX_KDA_FILL(P, mV, v)                                                                \
+  JAX_KDA_FILL(P, mBeta, beta)                                                          \
+  JAX_KDA_FILL(P, mWorkspace, workspace)                                                \
+  JAX_KDA_FILL(P, mCuSeqlens, cu_seqlens)                                               \
+  JAX_KDA_FILL(P, mState0, state0)                                                      \
+  JAX_KDA_FILL(P, mOut, out)                                                            \
+  JAX_KDA_FILL(P, mStateT, state_t)
 #define JAX_KDA_PREPARE(P, INVERSE, SM)                                                 \
   std::string Launch_##P(const PrepareArgs& a) {                                        \
-    JAX_KDA_FILL(P, mQ, q)                                                              \
-    JAX_KDA_FILL(P, mK, k)                                                              \
-    JAX_KDA_FILL(P, mG, g)                                                              \
-    JAX_KDA_FILL(P, mBeta, beta)                                                        \
-    JAX_KDA_FILL(P, mALog, a_log)                                                       \
-    JAX_KDA_FILL(P, mDtBias, dt_bias)                                                   \
-    JAX_KDA_FILL(P, mCuSeqlens, cu_seqlens)                                             \
-    JAX_KDA_FILL(P, mWorkspace, workspace)                                              \
+    JAX_KDA_PREPARE_FILLS(P)                                                            \
     JAX_KDA_LAUNCH_RESULT(P, cute_dsl_##P##_wrapper(nullptr, &mQ, &mK, &mG, &mBeta,     \
                                                     &mALog, &mDtBias, &mCuSeqlens,      \
                                                     &mWorkspace, a.scale,               \
@@ -40,13 +50,7 @@ namespace {
   LoadState P##_state;
 #define JAX_KDA_RECURRENCE(P, BLOCK_V, SM)                                              \
   std::string Launch_##P(const RecurrenceArgs& a) {                                     \
-    JAX_KDA_FILL(P, mV, v)                                                              \
-    JAX_KDA_FILL(P, mBeta, beta)                                                        \
-    JAX_KDA_FILL(P, mWorkspace, workspace)                                              \
-    JAX_KDA_FILL(P, mCuSeqlens, cu_seqlens)                                             \
-    JAX_KDA_FILL(P, mState0, state0)                                                    \
-    JAX_KDA_FILL(P, mOut, out)                                                          \
-    JAX_KDA_FILL(P, mStateT, state_t)                                                   \
+    JAX_KDA_RECURRENCE_FILLS(P)                                                         \
     JAX_KDA_LAUNCH_RESULT(P, cute_dsl_##P##_wrapper(nullptr, &mV, &mBeta, &mWorkspace,  \
                                                     &mCuSeqlens, &mState0, &mOut,       \
                                                     &mStateT, a.stream))                \
@@ -98,14 +102,7 @@ namespace {
   LoadState P##_state;
 #define JAX_KDA_PREPARE_OVERLAP(P, INVERSE, SM)                                         \
   std::string Launch_##P(const PrepareOverlapArgs& a) {                                 \
-    JAX_KDA_FILL(P, mQ, q)                                                              \
-    JAX_KDA_FILL(P, mK, k)                                                              \
-    JAX_KDA_FILL(P, mG, g)                                                              \
-    JAX_KDA_FILL(P, mBeta, beta)                                                        \
-    JAX_KDA_FILL(P, mALog, a_log)                                                       \
-    JAX_KDA_FILL(P, mDtBias, dt_bias)                                                   \
-    JAX_KDA_FILL(P, mCuSeqlens, cu_seqlens)                                             \
-    JAX_KDA_FILL(P, mWorkspace, workspace)                                              \
+    JAX_KDA_PREPARE_FILLS(P)                                                            \
     JAX_KDA_FILL(P, mReady, ready)                                                      \
     JAX_KDA_LAUNCH_RESULT(P, cute_dsl_##P##_wrapper(nullptr, &mQ, &mK, &mG, &mBeta,     \
                                                     &mALog, &mDtBias, &mCuSeqlens,      \
@@ -116,13 +113,7 @@ namespace {
   LoadState P##_state;
 #define JAX_KDA_RECURRENCE_OVERLAP(P, BLOCK_V, SM)                                      \
   std::string Launch_##P(const RecurrenceOverlapArgs& a) {                              \
-    JAX_KDA_FILL(P, mV, v)                                                              \
-    JAX_KDA_FILL(P, mBeta, beta)                                                        \
-    JAX_KDA_FILL(P, mWorkspace, workspace)                                              \
-    JAX_KDA_FILL(P, mCuSeqlens, cu_seqlens)                                             \
-    JAX_KDA_FILL(P, mState0, state0)                                                    \
-    JAX_KDA_FILL(P, mOut, out)                                                          \
-    JAX_KDA_FILL(P, mStateT, state_t)                                                   \
+    JAX_KDA_RECURRENCE_FILLS(P)                                                         \
     JAX_KDA_FILL(P, mReady, ready)                                                      \
     JAX_KDA_LAUNCH_RESULT(P, cute_dsl_##P##_wrapper(nullptr, &mV, &mBeta, &mWorkspace,  \
                                                     &mCuSeqlens, &mState0, &mOut,       \

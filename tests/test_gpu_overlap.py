@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_kda
+import test_ffi_gpu
 from jax_kda import _ffi, contract
 from jax_kda._launch import RecurrenceLaunch
 
@@ -20,19 +21,7 @@ SCALE, LOWER_BOUND = 128**-0.5, -5.0
 
 
 def _inputs(seed, cu, heads):
-    total = cu[-1]
-    keys = jax.random.split(jax.random.key(seed), 8)
-    bf = jnp.bfloat16
-    q = jax.random.normal(keys[0], (total, heads, 128), bf)
-    k = jax.random.normal(keys[1], (total, heads, 128), bf) * 0.1
-    v = jax.random.normal(keys[2], (total, heads, 128), bf)
-    g = jax.random.normal(keys[3], (total, heads, 128), bf)
-    beta = jax.random.normal(keys[4], (total, heads), bf)
-    a_log = jax.random.normal(keys[5], (heads,), jnp.float32)
-    dt_bias = jax.random.normal(keys[6], (heads, 128), jnp.float32)
-    state0 = (jax.random.normal(keys[7], (len(cu) - 1, heads, 128, 128), jnp.float32)
-              * 0.1).astype(bf)
-    return q, k, v, g, beta, a_log, dt_bias, jnp.asarray(cu, jnp.int32), state0
+    return test_ffi_gpu._inputs(seed, total=cu[-1], heads=heads, cu=cu)
 
 
 def _separate(args, block_v):

@@ -215,6 +215,22 @@ class KdaRecurrence:
         mOut: cute.Tensor,
         mStateT: cute.Tensor,
     ):
+        self.run_prefill(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT, False)
+
+    @cute.jit
+    def run_prefill(
+        self,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mState0: cute.Tensor,
+        mOut: cute.Tensor,
+        mStateT: cute.Tensor,
+        poll_warp: Constexpr,
+    ):
+        """The compute warps' whole task; with poll_warp (KdaRecurrenceOverlap) one CTA barrier
+        more, before the first record copy, that the poll warp takes part in."""
         cta = _cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
         state_off = (Int64(cta.seq) * Int64(cta.num_heads) + Int64(cta.head)) * (D * D)
         s0_base = mState0.iterator.toint() + state_off * 2
@@ -228,6 +244,8 @@ class KdaRecurrence:
         state = _state_registers(self)
         _load_state_u16(cta, state, s0_base)
         regs = _loop_registers(self)
+        if cutlass.const_expr(poll_warp):
+            ptx.cta_barrier()  # the poll warp has seen the first records counted
         if cta.num_chunks > 0:
             _prologue_loads(cta, ring)
             _prologue(cta, ring, state, regs)
@@ -293,31 +311,15 @@ class KdaRecurrenceOverlap(KdaRecurrence):
         mStateT: cute.Tensor,
         mReady: cute.Tensor,
     ):
-        cta = _cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == self.num_warps:
-            _poll_warp(mReady.iterator.toint(), cta.head, mWorkspace.shape[1], cta.src.slot0,
-                       cta.num_chunks)
+            _, _, seq = cute.arch.block_idx()
+            bos, eos = sequence_bounds(mCuSeqlens, seq, mV.shape[0])
+            _, head, _ = cute.arch.block_idx()
+            _poll_warp(mReady.iterator.toint(), head, mWorkspace.shape[1], bos // CHUNK + seq,
+                       (eos - bos + (CHUNK - 1)) // CHUNK)
         else:
-            state_off = (Int64(cta.seq) * Int64(cta.num_heads) + Int64(cta.head)) * (D * D)
-            s0_base = mState0.iterator.toint() + state_off * 2
-            sT_base = mStateT.iterator.toint() + state_off * 2
-            ring = (
-                SmemAllocator()
-                .allocate(STAGES * self.stage_bytes, byte_alignment=128)
-                .toint()
-            )
-            state = _state_registers(self)
-            _load_state_u16(cta, state, s0_base)
-            regs = _loop_registers(self)
-            ptx.cta_barrier()  # the poll warp has seen the first records counted
-            if cta.num_chunks > 0:
-                _prologue_loads(cta, ring)
-                _prologue(cta, ring, state, regs)
-            for c in range(cta.num_chunks):
-                _chunk_step(cta, ring, state, regs, c)
-            ptx.cp_async_wait(0)
-            _store_state_u16(cta, state, sT_base)
+            self.run_prefill(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT, True)
         cute.arch.griddepcontrol_wait()
 
 
