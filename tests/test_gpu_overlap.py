@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_ffi_gpu
 
 import jax_kda
-import test_ffi_gpu
 from jax_kda import _ffi, contract
 from jax_kda._launch import RecurrenceLaunch
 
@@ -81,14 +81,14 @@ def test_kda_prefill_overlap_true_matches_the_default():
     B, T, H = 2, 777, 6
     keys = jax.random.split(jax.random.key(7), 8)
     bf = jnp.bfloat16
-    x = dict(q=jax.random.normal(keys[0], (B, T, H, 128), bf),
-             k=jax.random.normal(keys[1], (B, T, H, 128), bf),
-             v=jax.random.normal(keys[2], (B, T, H, 128), bf),
-             g=jax.random.normal(keys[3], (B, T, H, 128), bf),
-             beta=jax.random.normal(keys[4], (B, T, H), bf),
-             A_log=jax.random.uniform(keys[5], (H,), jnp.float32, -1.5, 1.0),
-             dt_bias=jax.random.normal(keys[6], (H, 128), jnp.float32),
-             initial_state=jax.random.normal(keys[7], (B, H, 128, 128), jnp.float32) * 0.1)
+    x = {"q": jax.random.normal(keys[0], (B, T, H, 128), bf),
+         "k": jax.random.normal(keys[1], (B, T, H, 128), bf),
+         "v": jax.random.normal(keys[2], (B, T, H, 128), bf),
+         "g": jax.random.normal(keys[3], (B, T, H, 128), bf),
+         "beta": jax.random.normal(keys[4], (B, T, H), bf),
+         "A_log": jax.random.uniform(keys[5], (H,), jnp.float32, -1.5, 1.0),
+         "dt_bias": jax.random.normal(keys[6], (H, 128), jnp.float32),
+         "initial_state": jax.random.normal(keys[7], (B, H, 128, 128), jnp.float32) * 0.1}
     runs = {}
     for overlap in (None, True, False):
         fn = jax.jit(lambda a, o=overlap: jax_kda.kda_prefill(

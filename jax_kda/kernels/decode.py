@@ -120,7 +120,13 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .compile_utils import compile_for_arch, fake_stream, fake_tensor, symbol
-from .prepare import INVERSE_SCRATCH_BYTES, INVERSES, RECORD_SMEM, RECORD_SMEM_BYTES, KdaPrepare
+from .prepare import (
+    INVERSE_SCRATCH_BYTES,
+    INVERSES,
+    RECORD_SMEM,
+    RECORD_SMEM_BYTES,
+    KdaPrepare,
+)
 from .recurrence import copy_tile_rows_out, out_add, state_tile_update, u_to_b_operand
 from .recurrence_common import (
     CHUNK,

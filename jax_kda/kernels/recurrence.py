@@ -86,8 +86,6 @@ from . import ptx
 from .compile_utils import compile_for_arch, fake_tensor, symbol
 from .recurrence_common import (
     CHUNK,
-    STATE_DTYPES,
-    STATE_ELEM_BYTES,
     OFF_GT,
     OFF_INV,
     OFF_KD,
@@ -95,6 +93,8 @@ from .recurrence_common import (
     OFF_MQK,
     OFF_QD,
     RECORD_BYTES,
+    STATE_DTYPES,
+    STATE_ELEM_BYTES,
     D,
     acc_col,
     acc_row,
