@@ -189,7 +189,7 @@ def _lowered_chain(monkeypatch, kind, block_v, numerics="flashkda", overlap=None
     ("total", "auto", False, 3, 3, 0), ("recurrence", "baseline", None, 0, 3, 0),
     ("total", "baseline", None, 3, 3, 0),
     ("total", "auto", None, 3, 3, 0),  # left open: the two calls
-    ("total", "auto", True, 0, 0, 3), ("total", 128, True, 0, 0, 3)])
+    ("total", "auto", True, 0, 0, 3), ("total", 64, True, 0, 0, 3)])
 def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
         monkeypatch, kind, block_v, overlap, prepares, recurrences, overlapped):
     """What the GPU timing will compile: R chained calls, each with its custom calls, for CUDA."""
@@ -865,3 +865,22 @@ def test_interleaved_run_times_every_variant_in_turns(tmp_path, monkeypatch):
     assert all(len(r["samples_us"]) == 2 and "interleaved" in r["timer"] for r in timed)
     assert rows[("T24_H1", "prepare")]["status"] == "skipped"  # no kernels on this machine
     assert sorted(rounds) == [1, 2]  # the decode case's one variant, the prefill case's two
+
+
+def test_overlap_variants_of_the_total_kind(capsys):
+    """--overlap on,off times each flashkda-mode total variant both ways (named ...:ov=on / off;
+    the fp32 mode's are not overlapped); block_v = 128 and the baseline have no overlapped call."""
+    from jax_kda.bench import cli
+    from jax_kda.bench.jax_variants import Variant, unavailable_reason
+
+    code = cli.main(["--seqlen", "64", "--heads", "2", "--numerics", "flashkda,fp32",
+                     "--variants", "total", "--total-block-v", "auto,128", "--overlap", "on,off",
+                     "--dry-run"])
+    assert code == 0
+    assert ("variants: total:bv=auto:ov=on, total:bv=auto:ov=off, total:bv=128:ov=on, "
+            "total:bv=128:ov=off, total:fp32:bv=auto, total:fp32:bv=128") in capsys.readouterr().out
+    assert unavailable_reason(Variant("total", 64, overlap=True), "stable") is None
+    assert "block_v in" in unavailable_reason(Variant("total", 128, overlap=True), "stable")
+    assert "baseline" in unavailable_reason(Variant("total", "baseline", overlap=True), "stable")
+    with pytest.raises(SystemExit, match="--overlap"):
+        cli.main(["--variants", "total", "--overlap", "maybe", "--dry-run"])

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from .. import contract
 from .cases import Case
 
 KINDS = ("prepare", "recurrence", "total", "reference")
@@ -131,6 +132,12 @@ def compute_workspace(prepare, prepare_args):
 
 def unavailable_reason(variant: Variant, inverse: str) -> str | None:
     """Why kda_prefill has no such variant (None: it has), known before any input is made."""
+    if variant.overlap and variant.block_v == BASELINE:
+        return "overlap=True runs the column-split recurrence (the baseline kernel has none)"
+    if variant.overlap and isinstance(variant.block_v, int) \
+            and variant.block_v not in contract.OVERLAP_COLUMN_SPLITS:
+        return (f"overlap=True takes block_v in {contract.OVERLAP_COLUMN_SPLITS}, "
+                f"not {variant.block_v}")
     if variant.numerics == FLASHKDA:
         return None
     if variant.block_v == BASELINE:
