@@ -71,6 +71,16 @@ inline std::string LoadOnActiveDevices(std::span<const KernelSpec<Args>> specs,
   return {};
 }
 
+// Whether `value` is one of `values`; `listed` (if given) gets them as "16, 32, 64".
+inline bool OneOf(int32_t value, std::span<const int32_t> values, std::string* listed = nullptr) {
+  bool found = false;
+  for (int32_t v : values) {
+    found = found || v == value;
+    if (listed) *listed += (listed->empty() ? "" : ", ") + std::to_string(v);
+  }
+  return found;
+}
+
 inline std::string InverseText(int inverse) { return "inverse=" + std::to_string(inverse); }
 
 // The gate attributes of the calls that run the prepare step (prepare, decode).

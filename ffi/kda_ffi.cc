@@ -114,12 +114,8 @@ ffi::Error PrepareExecuteOf(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
 // block_v selects the recurrence kernel: one of kColumnSplits value columns per CTA (column
 // split, grid (128 / block_v, H, N)) or kBaselineBlockV (the baseline kernel, grid (1, H, N)).
 std::string CheckBlockV(int32_t block_v) {
-  if (block_v == kBaselineBlockV) return {};
   std::string splits;
-  for (int32_t split : kColumnSplits) {
-    if (block_v == split) return {};
-    splits += (splits.empty() ? "" : ", ") + std::to_string(split);
-  }
+  if (block_v == kBaselineBlockV || OneOf(block_v, kColumnSplits, &splits)) return {};
   return "recurrence: attribute block_v must be " + std::to_string(kBaselineBlockV) +
          " (baseline kernel) or one of " + splits + " (column split), got " +
          std::to_string(block_v);
@@ -193,12 +189,7 @@ std::string CheckOverlapAttrs(float scale, float lower_bound, int32_t inverse, i
   const char* call = "prefill_overlap";
   if (std::string e = CheckGateAttrs(call, scale, lower_bound, inverse); !e.empty()) return e;
   std::string splits;
-  bool known = false;
-  for (int32_t split : kOverlapColumnSplits) {
-    known = known || block_v == split;
-    splits += (splits.empty() ? "" : ", ") + std::to_string(split);
-  }
-  if (!known) {
+  if (!OneOf(block_v, kOverlapColumnSplits, &splits)) {
     return "prefill_overlap: attribute block_v must be one of " + splits + ", got " +
            std::to_string(block_v);
   }
@@ -274,7 +265,7 @@ ffi::Error PrefillOverlapExecute(
   int64_t t = 0, h = 0, n = 0;
   JAX_KDA_RETURN_IF(CheckProblem(call, q.dimensions(), cu_seqlens.dimensions(), &t, &h, &n));
   const int64_t s = NumSlots(t, n);
-  const int64_t words = h * ((s + kReadyBlockSlots - 1) / kReadyBlockSlots);
+  const int64_t words = ReadyWords(h, s);
   PrepareOverlapArgs p;
   RecurrenceOverlapArgs r;
   JAX_KDA_RETURN_IF(CheckOperand(call, "q", q, {t, h, kHeadDim}, 2, &p.q));

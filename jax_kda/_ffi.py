@@ -177,25 +177,39 @@ def _prefill_calls(numerics: str):
     return _PREFILL_CALLS[numerics]
 
 
-def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_bound, inverse,
-                 numerics="flashkda"):
-    """Custom call 1: per-chunk precomputation into the workspace uint8 [H, S, record bytes]
-    (13,824 in the flashkda mode, 23,040 in the fp32 mode)."""
-    target, _, record_bytes, _ = _prefill_calls(numerics)
+def _checked_cu_seqlens(cu_seqlens):
+    """cu_seqlens as int32 [N+1], N >= 1 (checked)."""
+    cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {cu_seqlens.shape}")
+    return cu_seqlens
+
+
+def _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse, numerics):
+    """The prepare step's operands and `inverse` (checked); returns cu_seqlens as int32."""
     if q.ndim != 3:
         raise ValueError(f"q: expected [T_total, H, 128], got shape {tuple(q.shape)}")
     if inverse not in contract.INVERSE_IDS or (numerics == "fp32" and inverse != "stable"):
         raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)} ('stable' in "
                          f"the fp32 mode), got {inverse!r}")
     total, heads = q.shape[0], q.shape[1]
-    cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {cu_seqlens.shape}")
+    cu_seqlens = _checked_cu_seqlens(cu_seqlens)
     for name, x in (("q", q), ("k", k), ("g", g)):
         _expect(name, x, jnp.bfloat16, (total, heads, HEAD_DIM))
     _expect("beta", beta, jnp.bfloat16, (total, heads))
     _expect("A_log", A_log, jnp.float32, (heads,))
     _expect("dt_bias", dt_bias, jnp.float32, (heads, HEAD_DIM))
+    return cu_seqlens
+
+
+def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_bound, inverse,
+                 numerics="flashkda"):
+    """Custom call 1: per-chunk precomputation into the workspace uint8 [H, S, record bytes]
+    (13,824 in the flashkda mode, 23,040 in the fp32 mode)."""
+    target, _, record_bytes, _ = _prefill_calls(numerics)
+    cu_seqlens = _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse,
+                                         numerics)
+    total, heads = q.shape[0], q.shape[1]
     slots = contract.workspace_slots(total, cu_seqlens.shape[0] - 1)
     workspace = jax.ShapeDtypeStruct((heads, slots, record_bytes), jnp.uint8)
     call = jax.ffi.ffi_call(target, workspace)
@@ -226,9 +240,7 @@ def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: Recurrenc
         raise ValueError("the fp32 numerics mode runs the column-split recurrence only")
     block_v = block_v_attribute(launch)
     total, heads = v.shape[0], v.shape[1]
-    cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {cu_seqlens.shape}")
+    cu_seqlens = _checked_cu_seqlens(cu_seqlens)
     num_seqs = cu_seqlens.shape[0] - 1
     _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
     _expect("beta", beta, jnp.bfloat16, (total, heads))
@@ -254,20 +266,11 @@ def prefill_overlap_call(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, *
     if not isinstance(launch, RecurrenceLaunch) or launch.kernel != "column_split" \
             or not launch.resolved:
         raise ValueError(f"launch: expected a resolved column-split RecurrenceLaunch, got {launch!r}")
-    if q.ndim != 3:
-        raise ValueError(f"q: expected [T_total, H, 128], got shape {tuple(q.shape)}")
-    if inverse not in contract.INVERSE_IDS:
-        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
+    cu_seqlens = _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse,
+                                         "flashkda")
     total, heads = q.shape[0], q.shape[1]
-    cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got shape {cu_seqlens.shape}")
     num_seqs = cu_seqlens.shape[0] - 1
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _expect(name, x, jnp.bfloat16, (total, heads, HEAD_DIM))
-    _expect("beta", beta, jnp.bfloat16, (total, heads))
-    _expect("A_log", A_log, jnp.float32, (heads,))
-    _expect("dt_bias", dt_bias, jnp.float32, (heads, HEAD_DIM))
+    _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
     _expect("initial_state", state0, jnp.bfloat16, (num_seqs, heads, HEAD_DIM, HEAD_DIM))
     slots = contract.workspace_slots(total, num_seqs)
     results = (

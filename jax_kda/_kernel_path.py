@@ -44,9 +44,8 @@ def plain_recurrence(v, beta, workspace, cu, state, *, problem: Problem,
     numerics do anyway. Returns (out [B, T, H, 128], final state in problem.state_dtype)."""
     N, H = problem.num_seqs, problem.heads
     # the kernel's state dtype: bf16 (flashkda), f32 (fp32: a bf16 state is widened exactly)
-    kernel_dtype = jnp.float32 if problem.numerics == "fp32" else jnp.bfloat16
-    state = (jnp.zeros((N, H, HEAD_DIM, HEAD_DIM), kernel_dtype) if state is None
-             else state.astype(kernel_dtype))
+    state = _kernel_state(state, problem,
+                          jnp.float32 if problem.numerics == "fp32" else jnp.bfloat16)
     out, final = _ffi.recurrence_call(_flat(v), _flat(beta), workspace, cu, state,
                                       launch=_launch.resolve(launch, num_seqs=N, heads=H,
                                                              numerics=problem.numerics),
@@ -59,13 +58,19 @@ def overlapped_prefill(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: 
     """Plain flashkda-mode prefill as one custom call that overlaps prepare and the recurrence
     (_ffi.prefill_overlap_call). Returns (out [B, T, H, 128], final state in
     problem.state_dtype); an f32 initial state is rounded on entry, as plain_recurrence does."""
-    N, H = problem.num_seqs, problem.heads
-    state = (jnp.zeros((N, H, HEAD_DIM, HEAD_DIM), jnp.bfloat16) if state is None
-             else state.astype(jnp.bfloat16))
+    state = _kernel_state(state, problem, jnp.bfloat16)
     out, final = _ffi.prefill_overlap_call(
         _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), A_log, dt_bias, cu, state,
         scale=problem.scale, lower_bound=problem.lower_bound, inverse=inverse, launch=launch)
     return out.reshape(v.shape), final.astype(problem.state_dtype)
+
+
+def _kernel_state(state, problem: Problem, dtype):
+    """The per-sequence initial state [N, H, 128, 128] a prefill kernel takes, in `dtype`:
+    zeros for None, else `state` converted."""
+    if state is None:
+        return jnp.zeros((problem.num_seqs, problem.heads, HEAD_DIM, HEAD_DIM), dtype)
+    return state.astype(dtype)
 
 
 def _flat(x):

@@ -43,18 +43,17 @@ class RecurrenceLaunch:
     """kernel: "column_split" (each head's 128 value columns over 128 / column_split CTAs, state
     in registers), "baseline" (one CTA per (sequence, head), state in shared memory) or "auto"
     (either, chosen by `resolve`). column_split: value columns per CTA; None until resolved
-    (always None for "baseline"). overlap: see the field (always False for "baseline")."""
+    (always None for "baseline"). overlap: run prepare and the column-split recurrence as the
+    overlapped call (the recurrence running while prepare writes the workspace; always False for
+    "baseline")."""
 
     kernel: str = "auto"
     column_split: int | None = None
-    # The overlapped prefill (prepare and the column-split recurrence in one call, the recurrence
-    # running while prepare writes the workspace): True, False, or None (chosen by `resolve`).
-    overlap: bool | None = False
+    overlap: bool = False
 
     @property
     def resolved(self) -> bool:
-        return ((self.kernel == "baseline" or self.column_split is not None)
-                and self.overlap is not None)
+        return self.kernel == "baseline" or self.column_split is not None
 
     @property
     def name(self) -> str:
@@ -67,7 +66,8 @@ class RecurrenceLaunch:
 
 def requested(recurrence: str, column_split, overlap=None) -> RecurrenceLaunch:
     """The launch kda_prefill's `recurrence=`, `column_split=` and `overlap=` ask for
-    (checked)."""
+    (checked). overlap=None is False: the overlapped call has not been timed on a GPU yet
+    (docs/perf_notes.md, "Overlapped prefill"), so the default stays the two measured calls."""
     if not isinstance(recurrence, str) or recurrence not in RECURRENCE_KERNELS:
         raise ValueError(
             f"kda_prefill: recurrence must be one of {RECURRENCE_KERNELS}, got {recurrence!r}"
@@ -93,38 +93,31 @@ def requested(recurrence: str, column_split, overlap=None) -> RecurrenceLaunch:
                          f"or None, got {column_split!r}")
     if recurrence == "auto" and column_split is not None:
         recurrence = "column_split"  # a column split names the column-split kernel
-    if recurrence == "baseline":
-        overlap = False
-    return RecurrenceLaunch(recurrence, column_split, overlap)
+    return RecurrenceLaunch(recurrence, column_split, bool(overlap))
 
 
 def resolve(launch: RecurrenceLaunch, *, num_seqs: int, heads: int,
             sm_count: int | None = None, numerics: str = "flashkda", tokens: int | None = None,
             baseline_allowed: bool = False) -> RecurrenceLaunch:
-    """`launch` with its kernel, column split and overlap fixed by the heuristic where the
-    caller left them open. "auto" may become the baseline kernel only where the call allows it
+    """`launch` with its kernel and column split fixed by the heuristic where the caller left
+    them open. "auto" may become the baseline kernel only where the call allows it
     (baseline_allowed: a plain flashkda-mode prefill, no pool or checkpoints) and `tokens` (all
     sequences together) is known; otherwise it is the column split. The overlapped call needs
-    the same kind of call (overlap=True elsewhere is an error); left open, it is not taken."""
-    overlap_allowed = baseline_allowed and numerics == "flashkda"
-    if launch.overlap and not overlap_allowed:
+    the same kind of call (overlap=True elsewhere is an error)."""
+    plain_flashkda = baseline_allowed and numerics == "flashkda"
+    if launch.overlap and not plain_flashkda:
         raise ValueError("kda_prefill: overlap=True runs plain numerics='flashkda' prefill only "
                          "(no state pools, checkpoints or numerics='fp32')")
     if launch.resolved:
         return launch
-    if (launch.kernel == "auto" and overlap_allowed and not launch.overlap
+    if (launch.kernel == "auto" and plain_flashkda and not launch.overlap
             and tokens is not None and prefers_baseline(num_seqs=num_seqs, heads=heads,
                                                         tokens=tokens, sm_count=sm_count)):
-        return RecurrenceLaunch("baseline", None, False)
-    if launch.kernel == "baseline":
-        return RecurrenceLaunch("baseline", None, False)
-    block_v = launch.column_split or choose_block_v(
-        num_seqs=num_seqs, heads=heads, sm_count=sm_count, numerics=numerics)
-    if launch.overlap:
-        assert block_v in OVERLAP_COLUMN_SPLITS  # the flashkda heuristic picks 16 or 64
-    # Left open, the overlapped call is not taken: it has not been timed on a GPU yet
-    # (docs/perf_notes.md, "Overlapped prefill"), so the default stays the two measured calls.
-    return RecurrenceLaunch("column_split", block_v, bool(launch.overlap))
+        return RecurrenceLaunch("baseline")
+    block_v = choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sm_count,
+                             numerics=numerics)
+    assert not launch.overlap or block_v in OVERLAP_COLUMN_SPLITS  # flashkda picks 16 or 64
+    return RecurrenceLaunch("column_split", block_v, launch.overlap)
 
 
 def prefers_baseline(*, num_seqs: int, heads: int, tokens: int,

@@ -77,9 +77,10 @@ OVERLAP_COLUMN_SPLITS = (16, 32, 64)
 OVERLAP_PREPARE_CTAS_PER_SM = 4
 
 
-def ready_blocks(slots: int) -> int:
-    """Counters per head: one per READY_BLOCK_SLOTS chunk slots."""
-    return -(-slots // READY_BLOCK_SLOTS)
+def ready_blocks(slots):
+    """Counters per head: one per READY_BLOCK_SLOTS chunk slots (an int, or the kernels' Int32:
+    slots >= 0, so this rounding up needs no negative division)."""
+    return (slots + (READY_BLOCK_SLOTS - 1)) // READY_BLOCK_SLOTS
 
 
 def ready_words(heads: int, slots: int) -> int:

@@ -880,7 +880,7 @@ def test_overlap_variants_of_the_total_kind(capsys):
     assert ("variants: total:bv=auto:ov=on, total:bv=auto:ov=off, total:bv=128:ov=on, "
             "total:bv=128:ov=off, total:fp32:bv=auto, total:fp32:bv=128") in capsys.readouterr().out
     assert unavailable_reason(Variant("total", 64, overlap=True), "stable") is None
-    assert "block_v in" in unavailable_reason(Variant("total", 128, overlap=True), "stable")
+    assert "column_split in" in unavailable_reason(Variant("total", 128, overlap=True), "stable")
     assert "baseline" in unavailable_reason(Variant("total", "baseline", overlap=True), "stable")
     with pytest.raises(SystemExit, match="--overlap"):
         cli.main(["--variants", "total", "--overlap", "maybe", "--dry-run"])

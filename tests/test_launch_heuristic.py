@@ -116,7 +116,7 @@ def test_auto_picks_the_baseline_only_for_plain_bf16_mode_prefill():
             "column_split", _launch.choose_block_v(num_seqs=32, heads=12, sm_count=132,
                                                    numerics=other.get("numerics", "flashkda")))
     # an explicit column split is the column-split kernel; longer sequences or fewer tasks too
-    assert _launch.requested("auto", 32) == _launch.RecurrenceLaunch("column_split", 32, None)
+    assert _launch.requested("auto", 32) == _launch.RecurrenceLaunch("column_split", 32)
     assert _launch.resolve(auto, **dict(short, tokens=32 * 1025), baseline_allowed=True
                            ).kernel == "column_split"
     assert _launch.resolve(auto, **dict(short, heads=4), baseline_allowed=True

@@ -6,7 +6,6 @@ import dataclasses
 
 import numpy as np
 
-from .. import contract
 from .cases import Case
 
 KINDS = ("prepare", "recurrence", "total", "reference")
@@ -132,12 +131,13 @@ def compute_workspace(prepare, prepare_args):
 
 def unavailable_reason(variant: Variant, inverse: str) -> str | None:
     """Why kda_prefill has no such variant (None: it has), known before any input is made."""
-    if variant.overlap and variant.block_v == BASELINE:
-        return "overlap=True runs the column-split recurrence (the baseline kernel has none)"
-    if variant.overlap and isinstance(variant.block_v, int) \
-            and variant.block_v not in contract.OVERLAP_COLUMN_SPLITS:
-        return (f"overlap=True takes block_v in {contract.OVERLAP_COLUMN_SPLITS}, "
-                f"not {variant.block_v}")
+    if variant.overlap:  # kda_prefill's own check of the launch it asks for
+        from .. import _launch
+
+        try:
+            _launch.requested(*_kda_prefill_launch(variant.block_v), True)
+        except ValueError as err:
+            return str(err)
     if variant.numerics == FLASHKDA:
         return None
     if variant.block_v == BASELINE:
@@ -198,7 +198,7 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
                              numerics=variant.numerics, tokens=case.tokens,
                              baseline_allowed=True)  # plain prefill, as kda_prefill resolves it
     info = {"block_v_used": "baseline" if launch.kernel == "baseline" else launch.column_split,
-            "overlap_used": bool(launch.overlap)}
+            "overlap_used": launch.overlap}
     kernel_choice = ({"recurrence": "baseline"} if launch.kernel == "baseline"
                      else {"column_split": launch.column_split})
     cu = jnp.asarray(case.cu_seqlens(), jnp.int32)  # the packed view of batched inputs too

@@ -723,7 +723,7 @@ class KdaPrepareOverlap(KdaPrepare):
         cute.arch.griddepcontrol_launch_dependents()
         num_slots = mWorkspace.shape[1]
         num_heads = mWorkspace.shape[0]
-        blocks = (num_slots + (contract.READY_BLOCK_SLOTS - 1)) // contract.READY_BLOCK_SLOTS
+        blocks = contract.ready_blocks(num_slots)
         ready = mReady.iterator.toint()
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()

@@ -341,7 +341,7 @@ def _poll_warp(ready: Int64, head: Int32, num_slots: Int32, slot0: Int32, num_ch
     first record copy, the prologue's, one per chunk), each barrier preceded by the wait for the
     records that may be copied after it (slot0 + chunk, clamped to the last chunk as the stage
     loads are)."""
-    blocks = (num_slots + (contract.READY_BLOCK_SLOTS - 1)) // contract.READY_BLOCK_SLOTS
+    blocks = contract.ready_blocks(num_slots)
     head_counters = ready + Int64(head * blocks) * 4
     last = num_chunks - 1
     ready_until = slot0  # every slot below this one is known to be complete
