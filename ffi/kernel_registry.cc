@@ -138,6 +138,13 @@ namespace {
 #define JAX_KDA_ENTRY(P, VARIANT, SM) \
   {{#P, VARIANT, SM, &_mlir_##P##_cuda_init, &_mlir_##P##_cuda_load_to_device, &P##_state}, &Launch_##P},
 #define JAX_KDA_SENTINEL {{nullptr, -1, 0, nullptr, nullptr, nullptr}, nullptr},
+// The overlapped call's prepare takes the largest shared memory split of an SM: the recurrence
+// CTAs launched behind it need room beside its CTAs (the driver's own choice for prepare leaves
+// none for a 72 KB recurrence CTA beside four prepare CTAs).
+#define JAX_KDA_ENTRY_MAX_SHARED(P, VARIANT, SM)                                            \
+  {{#P, VARIANT, SM, &_mlir_##P##_cuda_init, &_mlir_##P##_cuda_load_to_device, &P##_state, \
+    cudaSharedmemCarveoutMaxShared},                                                    \
+   &Launch_##P},
 
 // Each table keeps the entries of one list macro: every macro is first defined empty, the
 // table's own one as an entry.
@@ -201,7 +208,7 @@ const KernelSpec<RecurrenceArgs> kRecurrenceFp32Specs[] = {
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM)
 
 #undef JAX_KDA_PREPARE_OVERLAP
-#define JAX_KDA_PREPARE_OVERLAP(P, INVERSE, SM) JAX_KDA_ENTRY(P, INVERSE, SM)
+#define JAX_KDA_PREPARE_OVERLAP(P, INVERSE, SM) JAX_KDA_ENTRY_MAX_SHARED(P, INVERSE, SM)
 const KernelSpec<PrepareOverlapArgs> kPrepareOverlapSpecs[] = {
 #include "kernels_specs.inc"
     JAX_KDA_SENTINEL};

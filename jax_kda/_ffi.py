@@ -257,11 +257,13 @@ def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: Recurrenc
 
 
 def prefill_overlap_call(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, *, scale,
-                         lower_bound, inverse, launch: RecurrenceLaunch):
+                         lower_bound, inverse, launch: RecurrenceLaunch,
+                         prepare_ctas_per_sm: int = contract.OVERLAP_PREPARE_CTAS_PER_SM):
     """Prepare and the column-split recurrence of the flashkda mode in one custom call
     (docs/kernel_abi.md "Overlapped prefill"): with launch.overlap the recurrence runs while
-    prepare writes the workspace (where its CTAs leave SMs free; else the two run one after the
-    other), bitwise the two separate calls' results. Returns (out bf16 [T_total, H, 128],
+    prepare writes the workspace on prepare_ctas_per_sm persistent CTAs per SM (where the
+    recurrence leaves SMs free; else the two run one after the other), bitwise the two separate
+    calls' results. Returns (out bf16 [T_total, H, 128],
     final_state bf16 [N, H, 128, 128]); the workspace and the ready counters are scratch."""
     if not isinstance(launch, RecurrenceLaunch) or launch.kernel != "column_split" \
             or not launch.resolved:
@@ -284,7 +286,7 @@ def prefill_overlap_call(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, *
         q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, scale=np.float32(scale),
         lower_bound=np.float32(lower_bound), inverse=np.int32(contract.INVERSE_IDS[inverse]),
         block_v=np.int32(launch.column_split),
-        overlap=np.int32(contract.OVERLAP_PREPARE_CTAS_PER_SM if launch.overlap else 0))
+        overlap=np.int32(prepare_ctas_per_sm if launch.overlap else 0))
     return out, final
 
 

@@ -98,13 +98,13 @@ def kda_prefill(
         serial mode, not bitwise equal to it, so "auto" results depend on the call's shapes
         and the GPU's SM count; "off" or a fixed n does not. The reference backend plans alike.
       overlap: None or False (default): prepare and the recurrence as two calls, one after the
-        other. True (experimental, not yet timed on a GPU; plain numerics="flashkda" prefill,
-        column-split recurrence, column_split None, 16, 32 or 64): one call in which the
-        recurrence may start while prepare still writes the workspace, waiting for each chunk's
-        record (docs/kernel_abi.md "Overlapped prefill"); side by side only where the
-        recurrence's CTAs are fewer than the GPU's SMs, else one after the other. Same bits
-        either way, and no deadlock however the GPU schedules the two (prepare never waits for
-        the recurrence).
+        other. True (opt-in; on the H200 slower than the two calls at every measured shape,
+        BENCHMARKS.md 2026-12-02; plain numerics="flashkda" prefill, column-split recurrence,
+        column_split None, 16, 32 or 64): one call in which the recurrence may start while
+        prepare still writes the workspace, waiting for each chunk's record (docs/kernel_abi.md
+        "Overlapped prefill"); side by side only where the recurrence's CTAs are fewer than the
+        GPU's SMs, else one after the other. Same bits either way, and no deadlock however the
+        GPU schedules the two (prepare never waits for the recurrence).
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the

@@ -245,7 +245,9 @@ class KdaRecurrence:
         _load_state_u16(cta, state, s0_base)
         regs = _loop_registers(self)
         if cutlass.const_expr(poll_warp):
-            ptx.cta_barrier()  # the poll warp has seen the first records counted
+            # the poll warp meets these barriers at its own instructions: the unaligned form
+            cta.barrier = ptx.cta_barrier_unaligned
+            cta.barrier()  # the poll warp has seen the first records counted
         if cta.num_chunks > 0:
             _prologue_loads(cta, ring)
             _prologue(cta, ring, state, regs)
@@ -350,16 +352,16 @@ def _poll_warp(ready: Int64, head: Int32, num_slots: Int32, slot0: Int32, num_ch
         block = ready_until // contract.READY_BLOCK_SLOTS
         _wait_block(head_counters, block, num_slots)
         ready_until = (block + 1) * contract.READY_BLOCK_SLOTS
-    ptx.cta_barrier()
+    ptx.cta_barrier_unaligned()
     if num_chunks > 0:
-        ptx.cta_barrier()  # the prologue's
+        ptx.cta_barrier_unaligned()  # the prologue's
         for c in range(num_chunks):
             target = slot0 + cutlass.min(c + (LOOKAHEAD + READY_AHEAD), last)
             while ready_until <= target:
                 block = ready_until // contract.READY_BLOCK_SLOTS
                 _wait_block(head_counters, block, num_slots)
                 ready_until = (block + 1) * contract.READY_BLOCK_SLOTS
-            ptx.cta_barrier()  # chunk c's
+            ptx.cta_barrier_unaligned()  # chunk c's
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,6 +445,9 @@ def _cta_setup(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut):
         src=src,
         out_row_bytes=out_row_bytes,
         out_lane=out_lane,
+        # the barrier of the prologue and of every chunk step (run_prefill swaps it where a poll
+        # warp meets it from other instructions)
+        barrier=ptx.cta_barrier,
     )
 
 
@@ -520,7 +525,7 @@ def _prologue(cta, ring, state, regs):
     lane = cta.lane
     zero_f = regs.zero_f
     ptx.cp_async_wait(LOOKAHEAD - 1)  # chunk 0 has landed (this thread's copies)
-    ptx.cta_barrier()  # ... and everybody's
+    cta.barrier()  # ... and everybody's
     p0 = [[zero_f] * 4 for _ in range(NT)]
     o0 = [[zero_f] * 4 for _ in range(NT)]
     for kb in range(8):
@@ -605,7 +610,7 @@ def _chunk_step(cta, ring, state, regs, c):
     src = cta.src
     # Chunk c+1 visible to all; the stage of chunk c-1 is free (refilled further down).
     ptx.cp_async_wait(LOOKAHEAD - 2)
-    ptx.cta_barrier()
+    cta.barrier()
     nxt = ring + ((c + 1) % STAGES) * STAGE_BYTES
     row_tok0 = cta.bos + c * CHUNK
 
