@@ -64,7 +64,7 @@ def test_recurrence_polls_relaxed_acquires_once_and_waits_for_prepare_at_the_end
     # acquire load of the complete count
     assert ptx.count("ld.relaxed.gpu.global.u32") == 2
     assert ptx.count("ld.acquire.gpu.global.u32") == 2
-    for spin in re.findall(r"ld\.relaxed\.gpu\.global\.u32.*?bra", ptx, re.S):
+    for spin in re.findall(r"ld\.relaxed\.gpu\.global\.u32.*?bra", ptx, re.DOTALL):
         assert "ld.acquire" not in spin
     assert ptx.count("griddepcontrol.wait") == 1
     assert "griddepcontrol.launch_dependents" not in ptx
