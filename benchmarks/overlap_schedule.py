@@ -18,26 +18,30 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kda
-from jax_kda import _ffi
+from jax_kda import _ffi, contract
 from jax_kda._launch import RecurrenceLaunch
 from jax_kda.bench import inputs, timing
 from jax_kda.bench.cases import Case
 
 REPEATS = 10
+# Both ways of running a case take these gates (kda_prefill's defaults, passed to both).
+SCALE, LOWER_BOUND = contract.HEAD_DIM ** -0.5, -5.0
+# The operands of two_calls' and fused's functions, in order.
+OPERANDS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu", "state")
 
 
-def _arrays(case: Case) -> dict:
+def operands(case: Case) -> tuple:
+    """The case's inputs in OPERANDS order, tokens flattened as the kernels see them."""
     x = inputs.to_jax(inputs.make_inputs(case), case)
     flat = {name: x[name].reshape((-1,) + x[name].shape[2:]) for name in ("q", "k", "v", "g", "beta")}
-    return {**flat, "A_log": x["A_log"], "dt_bias": x["dt_bias"],
-            "cu": jnp.asarray(case.cu_seqlens(), jnp.int32),
-            "state": jnp.zeros((case.num_seqs, case.heads, 128, 128), jnp.bfloat16)}
+    d = contract.HEAD_DIM
+    a = {**flat, "A_log": x["A_log"], "dt_bias": x["dt_bias"],
+         "cu": jnp.asarray(case.cu_seqlens(), jnp.int32),
+         "state": jnp.zeros((case.num_seqs, case.heads, d, d), jnp.bfloat16)}
+    return tuple(a[n] for n in OPERANDS)
 
 
-def _time(fn, a: dict) -> float:
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu", "state")
-    args = tuple(a[n] for n in names)
-
+def _time(fn, args: tuple) -> float:
     def feedback(args, outs):  # the next call reads this call's output as its q (prepare's
         return (outs[0],) + args[1:]  # input: a v-fed chain would let XLA merge the prepares)
 
@@ -48,20 +52,19 @@ def _time(fn, a: dict) -> float:
 def two_calls(split: int):
     def fn(q, k, v, g, beta, A_log, dt_bias, cu, state):
         out, final = jax_kda.kda_prefill(
-            q[None], k[None], v[None], g[None], beta[None], A_log, dt_bias, cu_seqlens=cu,
-            initial_state=state, output_final_state=True, column_split=split, overlap=False,
-            backend="kernel")
+            q[None], k[None], v[None], g[None], beta[None], A_log, dt_bias, scale=SCALE,
+            lower_bound=LOWER_BOUND, cu_seqlens=cu, initial_state=state, output_final_state=True,
+            column_split=split, overlap=False, backend="kernel")
         return out[0], final
     return fn
 
 
 def fused(split: int, prepare_ctas: int):
     launch = RecurrenceLaunch("column_split", split, overlap=prepare_ctas > 0)
-    scale = 128 ** -0.5
 
     def fn(q, k, v, g, beta, A_log, dt_bias, cu, state):
         return _ffi.prefill_overlap_call(q, k, v, g, beta, A_log, dt_bias, cu, state,
-                                         scale=scale, lower_bound=-5.0, inverse="stable",
+                                         scale=SCALE, lower_bound=LOWER_BOUND, inverse="stable",
                                          launch=launch, prepare_ctas_per_sm=max(prepare_ctas, 1))
     return fn
 
@@ -78,7 +81,7 @@ def main():
     for t in args.seqlen.split(","):
         for h in args.heads.split(","):
             case = Case((int(t),), int(h))
-            a = _arrays(case)
+            a = operands(case)
             for split in (int(s) for s in args.splits.split(",")):
                 row = {"case": case.name, "split": split, "two_calls_us": _time(two_calls(split), a)}
                 for ctas in [0] + [int(c) for c in args.prepare_ctas.split(",")]:

@@ -135,16 +135,13 @@ namespace {
 #undef JAX_KDA_RECURRENCE_OVERLAP
 
 // ---- tables (each ends with a sentinel so that it is never empty) ----------------------------
-#define JAX_KDA_ENTRY(P, VARIANT, SM) \
-  {{#P, VARIANT, SM, &_mlir_##P##_cuda_init, &_mlir_##P##_cuda_load_to_device, &P##_state}, &Launch_##P},
-#define JAX_KDA_SENTINEL {{nullptr, -1, 0, nullptr, nullptr, nullptr}, nullptr},
-// The overlapped call's prepare takes the largest shared memory split of an SM: the recurrence
-// CTAs launched behind it need room beside its CTAs (the driver's own choice for prepare leaves
-// none for a 72 KB recurrence CTA beside four prepare CTAs).
-#define JAX_KDA_ENTRY_MAX_SHARED(P, VARIANT, SM)                                            \
+// CARVEOUT: ModuleEntry::smem_carveout (-1: the driver's choice).
+#define JAX_KDA_ENTRY_CARVEOUT(P, VARIANT, SM, CARVEOUT)                                   \
   {{#P, VARIANT, SM, &_mlir_##P##_cuda_init, &_mlir_##P##_cuda_load_to_device, &P##_state, \
-    cudaSharedmemCarveoutMaxShared},                                                    \
+    CARVEOUT},                                                                           \
    &Launch_##P},
+#define JAX_KDA_ENTRY(P, VARIANT, SM) JAX_KDA_ENTRY_CARVEOUT(P, VARIANT, SM, -1)
+#define JAX_KDA_SENTINEL {{nullptr, -1, 0, nullptr, nullptr, nullptr}, nullptr},
 
 // Each table keeps the entries of one list macro: every macro is first defined empty, the
 // table's own one as an entry.
@@ -208,7 +205,11 @@ const KernelSpec<RecurrenceArgs> kRecurrenceFp32Specs[] = {
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM)
 
 #undef JAX_KDA_PREPARE_OVERLAP
-#define JAX_KDA_PREPARE_OVERLAP(P, INVERSE, SM) JAX_KDA_ENTRY_MAX_SHARED(P, INVERSE, SM)
+// The overlapped call's prepare takes the largest shared-memory split of an SM: the recurrence
+// CTAs launched behind it need room beside its CTAs (the driver's own choice for prepare left
+// none for a 73 KB recurrence CTA beside four prepare CTAs).
+#define JAX_KDA_PREPARE_OVERLAP(P, INVERSE, SM) \
+  JAX_KDA_ENTRY_CARVEOUT(P, INVERSE, SM, cudaSharedmemCarveoutMaxShared)
 const KernelSpec<PrepareOverlapArgs> kPrepareOverlapSpecs[] = {
 #include "kernels_specs.inc"
     JAX_KDA_SENTINEL};

@@ -47,8 +47,10 @@ std::string PoolText(int variant) {
 }
 
 std::string CheckPoolAttrs(int32_t block_v, int32_t checkpoint_chunks) {
-  if (!OneOf(block_v, kColumnSplits)) return "recurrence_pool: attribute block_v must be a column split, got " +
-                     std::to_string(block_v);
+  if (!OneOf(block_v, kColumnSplits)) {
+    return "recurrence_pool: attribute block_v must be a column split, got " +
+           std::to_string(block_v);
+  }
   if (checkpoint_chunks < 0) return "recurrence_pool: attribute checkpoint_chunks must be >= 0";
   return {};
 }

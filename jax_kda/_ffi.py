@@ -263,8 +263,8 @@ def prefill_overlap_call(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, *
     (docs/kernel_abi.md "Overlapped prefill"): with launch.overlap the recurrence runs while
     prepare writes the workspace on prepare_ctas_per_sm persistent CTAs per SM (where the
     recurrence leaves SMs free; else the two run one after the other), bitwise the two separate
-    calls' results. Returns (out bf16 [T_total, H, 128],
-    final_state bf16 [N, H, 128, 128]); the workspace and the ready counters are scratch."""
+    calls' results. Returns (out bf16 [T_total, H, 128], final_state bf16 [N, H, 128, 128]);
+    the workspace and the ready counters are scratch."""
     if not isinstance(launch, RecurrenceLaunch) or launch.kernel != "column_split" \
             or not launch.resolved:
         raise ValueError(f"launch: expected a resolved column-split RecurrenceLaunch, got {launch!r}")

@@ -24,8 +24,6 @@ _spec = importlib.util.spec_from_file_location(
 schedule = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(schedule)
 
-NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu", "state")
-
 
 def kernels_of(fn, args, calls=3):
     """[(name, start us, end us)] of the last call's kernels (the others warm up)."""
@@ -52,8 +50,7 @@ def main():
     ap.add_argument("--split", type=int, default=16)
     ap.add_argument("--prepare-ctas", type=int, default=4)
     args = ap.parse_args()
-    a = schedule._arrays(Case((args.seqlen,), args.heads))
-    operands = tuple(a[n] for n in NAMES)
+    operands = schedule.operands(Case((args.seqlen,), args.heads))
     for label, fn in (("two calls", schedule.two_calls(args.split)),
                       ("fused, one after the other", schedule.fused(args.split, 0)),
                       (f"fused, side by side ({args.prepare_ctas} prepare CTAs/SM)",

@@ -60,8 +60,8 @@ def test_recurrence_polls_relaxed_acquires_once_and_waits_for_prepare_at_the_end
     warps, _ = recurrence.warp_split(block_v)
     assert re.search(rf"\.reqntid {32 * (warps + 1)}, 1, 1", ptx), "compute warps + poll warp"
     # before the loop and per chunk: the spin reads are relaxed (an acquire load invalidates the
-    # SM's L1 on sm_90, which at every poll would slow the prepare CTAs beside it), then one
-    # acquire load of the complete count
+    # SM's L1 on sm_90, which at every poll would take it from the prepare CTAs beside it), then
+    # one acquire load of the complete count
     assert ptx.count("ld.relaxed.gpu.global.u32") == 2
     assert ptx.count("ld.acquire.gpu.global.u32") == 2
     for spin in re.findall(r"ld\.relaxed\.gpu\.global\.u32.*?bra", ptx, re.DOTALL):
