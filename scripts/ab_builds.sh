@@ -4,7 +4,8 @@
 #   A_WHEEL, B_WHEEL: the two wheels; OUT: where results go; BENCH_ARGS: python -m jax_kda.bench
 #   arguments (default: recurrence and total at T = 8192, 96..6 heads, both numerics modes);
 #   ROUNDS (default 2); DUMP=1 also runs scripts/build_outputs.py dump --small with each build
-#   and compares them.
+#   and compares them; BENCH_SCRIPT (a repository path, e.g. benchmarks/prepare_bandwidth.py):
+#   run that script with BENCH_ARGS and --out $OUT/<build><round>.json instead of the bench.
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:?}"; mkdir -p "$OUT"
@@ -26,8 +27,13 @@ if [[ "${DUMP:-0}" == 1 ]]; then
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for b in A B; do
-    (cd /tmp && PYTHONPATH="${SITE[$b]}" timeout "${BENCH_TIMEOUT:-200}" python3 -m jax_kda.bench $BENCH_ARGS \
-      --out "$OUT" --tag "${b}${round}" --no-plot --no-progress) > "$OUT/bench_${b}${round}.log" 2>&1
+    if [[ -n "${BENCH_SCRIPT:-}" ]]; then
+      (cd /tmp && PYTHONPATH="${SITE[$b]}" timeout "${BENCH_TIMEOUT:-200}" python3 "$REPO/$BENCH_SCRIPT" \
+        $BENCH_ARGS --out "$OUT/${b}${round}.json") > "$OUT/bench_${b}${round}.log" 2>&1
+    else
+      (cd /tmp && PYTHONPATH="${SITE[$b]}" timeout "${BENCH_TIMEOUT:-200}" python3 -m jax_kda.bench $BENCH_ARGS \
+        --out "$OUT" --tag "${b}${round}" --no-plot --no-progress) > "$OUT/bench_${b}${round}.log" 2>&1
+    fi
     echo "bench $b round $round exit $?"
   done
 done

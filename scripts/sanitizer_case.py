@@ -32,6 +32,17 @@ for inverse in ("stable", "neumann"):
         jax.block_until_ready((out, st))
 print("sanitizer case ran", out.shape, st.shape)
 
+# An odd T * H: beta's last element starts a 4-byte word that would end past the array, which
+# prepare copies synchronously instead (the path no other case takes).
+T_odd, H_odd = 69, 3
+odd = {name: bf16(1, T_odd, H_odd, 128) for name in ("q", "k", "v", "g")}
+odd.update(beta=bf16(1, T_odd, H_odd), A_log=jnp.zeros((H_odd,), jnp.float32),
+           dt_bias=jnp.asarray(rng.standard_normal((H_odd, 128)), jnp.float32))
+out = jax_kda.kda_prefill(**odd, cu_seqlens=jnp.asarray([0, 3, T_odd], jnp.int32),
+                          backend="kernel")
+jax.block_until_ready(out)
+print("odd T * H case ran", out[0].shape)
+
 # Serving: pool prefill with checkpoints and decode steps, indices that are padding (negative),
 # out of range (>= P, only caught at run time under jit) and in range, bf16 and f32 pools.
 P = 4

@@ -110,8 +110,10 @@ def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, inverse, arch
     assert not re.search(r"\b(add|mul|fma|sub)\.(rn\.)?ftz\.f16", body)
     # every non-approx f32 add/mul/fma is the fast-math .ftz form
     assert not re.search(r"\b(add|mul|fma)(\.rn)?\.f32\b", body)
-    # 16-byte global accesses (q/k/g loads, record stores)
-    assert "ld.global.v4" in body and "st.global.v4" in body
+    # the chunk's inputs come by 16-byte cp.async (q, k: 4 per thread, g: 2, dt_bias: 1), not
+    # through registers; the record leaves by 16-byte stores
+    assert body.count("cp.async.cg.shared.global") >= 7
+    assert "ld.global.v4" not in body and "st.global.v4" in body
 
 
 @pytest.mark.parametrize("inverse,arch", KEYS)
@@ -146,6 +148,12 @@ def test_sass(builds, inverse, arch, tmp_path):
     for op in ("MUFU.EX2", "MUFU.TANH", "MUFU.RSQ", "SHFL.BFLY"):
         assert op in sass, op
     assert not re.search(r"\b(LDL|STL)\b", sass)
+    # one memory round trip per chunk: every copy of the chunk's inputs is issued before the
+    # first wait for them (ptxas would sink plain loads towards their uses, one trip after another)
+    copies = [m.start() for m in re.finditer(r"LDGSTS", sass)]
+    first_wait = re.search(r"\bDEPBAR\.LE\b", sass).start()
+    assert len(copies) >= 7 and max(copies) < first_wait
+    assert not re.search(r"LDG\.E\.128", sass)
     assert re.search(r"LOCAL:0\b", res), res
     assert re.search(r"STACK:0\b", res), res
 

@@ -7,10 +7,13 @@ record (layout in jax_kda/kernels/workspace_layout.py).
 
 Work split, chosen so that the thread structure is SPEC's rounding order and every shared
 access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, then DRAM):
-  A. All global loads are issued first: q and k in 16-byte vectors (a warp
-     reads two 256-byte rows), g as phase B's bf16 pairs; rows past the
-     sequence end re-read the last valid row (in bounds) and are zeroed in
-     registers (g's gates in phase B). L2 norm: thread t owns the 8-value
+  A. All global loads are issued first, as cp.async copies into shared memory
+     (q and k into the staging area, g into the shared record's kd bytes, free
+     until phase B writes kd), so that one memory round trip serves the chunk:
+     loads into registers would be scheduled by ptxas next to their first use,
+     one round trip after another. Rows past the sequence end re-read the last
+     valid row (in bounds) and are zeroed in registers (g's gates in phase B).
+     L2 norm: thread t owns the 8-value
      group (t % 16) of rows t // 16 and t // 16 + 8; the 16 lanes of a row
      combine their partial sums with shfl.bfly 8, 4, 2, 1.
   B. Gate, cumsum and decays: thread t owns the column pair 2 (t % 64), +1 on
@@ -50,7 +53,12 @@ from .ptx import (
     LOG2E,
     bf16_to_f32,
     bf16x2_hi_to_f32,
+    beta_to_shared_if,
     bf16x2_lo_to_f32,
+    cp_async_4_if,
+    cp_async_16_if,
+    cp_async_commit,
+    cp_async_wait,
     ex2_approx,
     f16_add,
     f16_mul,
@@ -64,13 +72,17 @@ from .ptx import (
     fneg,
     gate_scale_from_lower_bound,
     ld_shared_b32,
+    ld_shared_f32,
+    ld_shared_u16,
     mul_bf16x2,
     pack_bf16x2,
     publish_count,
     rsqrt_approx,
+    select_lt,
     sigmoid,
     st_global_b32,
     st_shared_b32,
+    u32_as_f32,
 )
 from .recurrence_common import sequence_start
 
@@ -216,7 +228,7 @@ class KdaPrepare:
             n_valid = cutlass.min(eos - row0, CHUNK)
             rec = self.record_inputs(
                 _PackedRows(row0, head, mBeta), mQ, mK, mG, mALog, mDtBias, head, n_valid, tid,
-                kr_to_global=True,
+                kr_to_global=True, async_copy=True,
             )
             self.record_normalize(rec)
             g_rec = mWorkspace[head, slot, None]
@@ -251,6 +263,7 @@ class KdaPrepare:
         tid: Int32,
         smem_base=None,
         kr_to_global: bool = False,
+        async_copy: bool = False,
     ):
         """A0: issue every global load of the chunk (rows past the end re-read the last valid
         row, in bounds, and are zeroed afterwards: no branches) and allocate the record's shared
@@ -261,34 +274,43 @@ class KdaPrepare:
         allocating them (the caller may then overlap the staging area's bytes past
         INVERSE_SCRATCH_BYTES once record_decays has returned).
         kr_to_global: the caller hands record_decays the record's global address (g_record),
-        so the shared record's kr bytes hold the ki tile instead."""
+        so the shared record's kr bytes hold the ki tile instead.
+        async_copy: q, k and g go to shared memory by cp.async (one commit group, which
+        record_normalize waits for; the caller must have no other group in flight), g into the
+        shared record's kd bytes (row-major), instead of into registers."""
         group = tid % 16
         # (half, q/k, values), values contiguous so that each load is one 16-byte vector
         raw = cute.make_rmem_tensor(
             cute.make_layout((2, 2, 8), stride=(16, 8, 1)), BFloat16
         )
-        for half in cutlass.range_constexpr(2):
-            r = tid // 16 + 8 * half
-            tok = rows.token(cutlass.min(r, n_valid - 1))
-            for which, m_x in enumerate((mQ, mK)):
-                cute.autovec_copy(
-                    cute.local_tile(rows.row(m_x, tok), (8,), (group,)),
-                    raw[half, which, None],
-                )
         c0 = 2 * (tid % 64)  # phase B's column pair, on rows 8 (tid // 64) .. + 7
-        # raw g straight in phase B's layout (no shared staging): row i of the thread's 8, one
-        # 4-byte load of the pair each; rows past the end re-read the last valid row (their gate
-        # is zeroed in phase B whatever g holds)
         g_pairs = cute.make_rmem_tensor(cute.make_layout((8, 2), stride=(2, 1)), BFloat16)
-        for i in cutlass.range_constexpr(8):
-            tok = rows.token(cutlass.min((tid // 64) * 8 + i, n_valid - 1))
-            cute.autovec_copy(
-                cute.local_tile(rows.row(mG, tok), (2,), (tid % 64,)), g_pairs[i, None]
-            )
-        beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
-        dt0 = mDtBias[head, c0]
-        dt1 = mDtBias[head, c0 + 1]
-        a_log = mALog[head]
+        if cutlass.const_expr(not async_copy):
+            for half in cutlass.range_constexpr(2):
+                r = tid // 16 + 8 * half
+                tok = rows.token(cutlass.min(r, n_valid - 1))
+                for which, m_x in enumerate((mQ, mK)):
+                    cute.autovec_copy(
+                        cute.local_tile(rows.row(m_x, tok), (8,), (group,)),
+                        raw[half, which, None],
+                    )
+            # raw g straight in phase B's layout (no shared staging): row i of the thread's 8, one
+            # 4-byte load of the pair each; rows past the end re-read the last valid row (their
+            # gate is zeroed in phase B whatever g holds)
+            for i in cutlass.range_constexpr(8):
+                tok = rows.token(cutlass.min((tid // 64) * 8 + i, n_valid - 1))
+                cute.autovec_copy(
+                    cute.local_tile(rows.row(mG, tok), (2,), (tid % 64,)), g_pairs[i, None]
+                )
+        beta_tok = rows.token(cutlass.min(tid % CHUNK, n_valid - 1))
+        beta_raw = None
+        if cutlass.const_expr(not async_copy):
+            beta_raw = rows.beta(beta_tok)
+        dt0 = dt1 = a_log = None
+        if cutlass.const_expr(not async_copy):
+            dt0 = mDtBias[head, c0]
+            dt1 = mDtBias[head, c0 + 1]
+            a_log = mALog[head]
 
         # ---- shared memory (~22 KB in the prepare kernel: up to 10 CTAs per SM)
         if cutlass.const_expr(smem_base is None):
@@ -324,6 +346,40 @@ class KdaPrepare:
             )
         else:
             s_beta = _carve(smem_base, RECORD_SMEM["beta"], Float32, cute.make_layout(CHUNK))
+        if cutlass.const_expr(async_copy):
+            # thread t: the granules of A's register layout (rows t // 16 and + 8, values
+            # 8 (t % 16) ..) of q and k, into the staging tiles where A normalises them in place,
+            # and g's granules t and t + 128 (row gi // 16) into the kd bytes
+            stage_base = s_stage.toint()
+            for half in cutlass.range_constexpr(2):
+                r = tid // 16 + 8 * half
+                tok = rows.token(cutlass.min(r, n_valid - 1))
+                for which, m_x in enumerate((mQ, mK)):
+                    src = cute.local_tile(rows.row(m_x, tok), (8,), (group,))
+                    cp_async_16_if(stage_base + which * CHUNK * D * 2 + (r * D + group * 8) * 2,
+                                   src.iterator.toint(), Int32(0), Int32(1))
+            g_tile = s_rec.toint() + wl.KD_OFFSET
+            for it in cutlass.range_constexpr(2):
+                gi = tid + NUM_THREADS * it
+                tok = rows.token(cutlass.min(gi // 16, n_valid - 1))
+                src = cute.local_tile(rows.row(mG, tok), (8,), (gi % 16,))
+                cp_async_16_if(g_tile + gi * 16, src.iterator.toint(), Int32(0), Int32(1))
+            # threads 0-15: the aligned word holding their row's beta into their s_beta slot
+            # (synchronously where that word would end past the array: its last element)
+            elem, elems = rows.beta_index(beta_tok), rows.beta_count()
+            beta_addr = rows.beta_address(beta_tok)
+            async_ok = select_lt(elem + 1, elems, Int32(1), Int32(beta_addr) & 2)
+            beta_to_shared_if(s_beta.iterator.toint() + tid * 4, beta_addr, async_ok, tid,
+                              Int32(CHUNK))
+            beta_raw = beta_addr  # which half of the slot holds it: (address & 2)
+            # dt_bias's row of this head (threads 0-31, 16 bytes each) into the INV bytes and
+            # A_log (thread 0) into the Mqk bytes: both free until phase C
+            dt_src = cute.local_tile(mDtBias[head, None], (4,), (tid % 32,))
+            cp_async_16_if(s_rec.toint() + wl.INV_OFFSET + (tid % 32) * 16,
+                           dt_src.iterator.toint(), tid, Int32(32))
+            cp_async_4_if(s_rec.toint() + wl.MQK_OFFSET, mALog.iterator.toint() + Int64(head) * 4,
+                          tid, Int32(1))
+            cp_async_commit()
         return ChunkRecord(
             tid=tid,
             n_valid=n_valid,
@@ -347,6 +403,7 @@ class KdaPrepare:
             s_kn=s_kn,
             s_beta=s_beta,
             kr_to_global=kr_to_global,
+            async_copy=async_copy,
         )
 
     @cute.jit
@@ -357,6 +414,13 @@ class KdaPrepare:
         raw = rec.raw
         group = rec.group
         s_qn, s_kn = rec.s_qn, rec.s_kn
+        if cutlass.const_expr(rec.async_copy):
+            cp_async_wait(0)  # this thread's copies; g (others' too) is read after the barrier
+            for half in cutlass.range_constexpr(2):
+                r = tid // 16 + 8 * half
+                for which, s_x in enumerate((s_qn, s_kn)):
+                    cute.autovec_copy(cute.local_tile(s_x[r, None], (8,), (group,)),
+                                      raw[half, which, None])
         for half in cutlass.range_constexpr(2):
             r = tid // 16 + 8 * half
             valid = r < n_valid
@@ -365,7 +429,11 @@ class KdaPrepare:
         beta_raw = rec.beta_raw
         s_beta = rec.s_beta
         if tid < CHUNK:
-            b = sigmoid(bf16_to_f32(beta_raw))
+            if cutlass.const_expr(rec.async_copy):
+                bits = ld_shared_u16(s_beta.iterator.toint() + tid * 4 + (Int32(beta_raw) & 2))
+                b = sigmoid(u32_as_f32(Uint32(bits) << 16))
+            else:
+                b = sigmoid(bf16_to_f32(beta_raw))
             if tid >= n_valid:
                 b = Float32(0.0)
             s_beta[tid] = b
@@ -392,20 +460,31 @@ class KdaPrepare:
         n_valid = rec.n_valid
         c0 = rec.c0
         half = rec.tid // 64
-        a_exp = ex2_approx(fmul(rec.a_log, Float32(LOG2E)))
+        rec_base = rec.s_rec.toint()
+        a_log, dt = rec.a_log, (rec.dt0, rec.dt1)
+        if cutlass.const_expr(rec.async_copy):  # record_inputs' copies of A_log and dt_bias
+            a_log = ld_shared_f32(rec_base + wl.MQK_OFFSET)
+            dt = tuple(ld_shared_f32(rec_base + wl.INV_OFFSET + (c0 + j) * 4) for j in range(2))
+        a_exp = ex2_approx(fmul(a_log, Float32(LOG2E)))
         gate_scale = gate_scale_from_lower_bound(lower_bound)
         s_gt = rec.s_gt
         qn_base = rec.s_qn.iterator.toint()
         kn_base = rec.s_kn.iterator.toint()
-        rec_base = rec.s_rec.toint()
         ki_base = rec.s_ki.iterator.toint()
         # cum[j, i]: column c0 + j, row 8 h + i: first the gate, then the running sum
         cum = cute.make_rmem_tensor(cute.make_layout((2, 8), stride=(8, 1)), Float32)
+        g_pairs = rec.g_pairs
+        if cutlass.const_expr(rec.async_copy):
+            # g's row-major tile in the kd bytes, read here before the barrier that precedes
+            # kd's stores
+            g_words = cute.recast_tensor(g_pairs, Uint32)
+            for i in cutlass.range_constexpr(8):
+                g_words[i] = ld_shared_b32(rec_base + wl.KD_OFFSET + ((half * 8 + i) * D + c0) * 2)
         for i in cutlass.range_constexpr(8):
             r = half * 8 + i
             for j in cutlass.range_constexpr(2):
-                g_in = bf16_to_f32(rec.g_pairs[i, j])
-                x = fmul(a_exp, fadd(g_in, (rec.dt0, rec.dt1)[j]))
+                g_in = bf16_to_f32(g_pairs[i, j])
+                x = fmul(a_exp, fadd(g_in, dt[j]))
                 gate = fmul(gate_scale, sigmoid(x))
                 if r >= n_valid:
                     gate = Float32(0.0)
@@ -795,6 +874,16 @@ class _PackedRows:
 
     def beta(self, tok):
         return self.mBeta[tok, self.head]
+
+    # beta's element index, count and global address (the kernel ABI's compact [T_total, H])
+    def beta_index(self, tok):
+        return tok * self.mBeta.shape[1] + self.head
+
+    def beta_count(self):
+        return self.mBeta.shape[0] * self.mBeta.shape[1]
+
+    def beta_address(self, tok):
+        return self.mBeta.iterator.toint() + Int64(self.beta_index(tok)) * 2
 
 
 def _carve(base, byte_offset, dtype, layout):

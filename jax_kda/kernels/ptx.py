@@ -509,6 +509,23 @@ def cp_async_16_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cp_async_4_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
+    """4-byte global -> shared copy (cp.async.ca), issued only if idx < limit."""
+    _store(
+        [
+            _i32(smem_addr, loc, ip),
+            _i64(gmem_addr, loc, ip),
+            _i32(idx, loc, ip),
+            _i32(limit, loc, ip),
+        ],
+        pred_lt_block("$3, $4", "@p cp.async.ca.shared.global [$1], [$2], 4;"),
+        "r,l,r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def cp_async_commit(*, loc=None, ip=None):
     _store([], "cp.async.commit_group;", "", loc, ip)
 
