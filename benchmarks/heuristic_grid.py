@@ -50,21 +50,26 @@ def device_inputs(key, num_seqs, seqlen, heads, total=None):
 
 
 def markdown_table(path):
-    """One row per (N, H): median us per block_v, the fastest, and what choose_block_v picks now
-    (with its time relative to the fastest)."""
+    """One row per (sequence lengths, H): median us per block_v, the fastest, and what
+    choose_block_v picks now (with its time relative to the fastest)."""
     with open(path) as f:
         data = json.load(f)
     cells = {}
     for row in data["rows"]:
-        cells.setdefault((row["num_seqs"], row["heads"]), {})[row["block_v"]] = row["median_us"]
+        lens = tuple(row.get("seq_lens") or [data["seqlen"]] * row["num_seqs"])
+        cells.setdefault((lens, row["heads"]), {})[row["block_v"]] = row["median_us"]
     kinds = [bv for bv in (*BLOCK_VS, BASELINE) if any(bv in t for t in cells.values())]
-    lines = ["| N | H | " + " | ".join(f"bv={bv}" for bv in kinds) + " | fastest | heuristic (vs fastest) |",
-             "|---|---|" + "---|" * (len(kinds) + 2)]
-    for (n, h), times in sorted(cells.items()):
+    lines = ["| N | tokens each | H | " + " | ".join(f"bv={bv}" for bv in kinds)
+             + " | fastest | heuristic (vs fastest) |",
+             "|---|---|---|" + "---|" * (len(kinds) + 2)]
+    for (lens, h), times in sorted(cells.items(), key=lambda c: (len(c[0][0]), c[0])):
         best = min(times, key=times.get)
-        pick = _launch.choose_block_v(num_seqs=n, heads=h, sm_count=data["sm_count"],
-                                      numerics=data["rows"][0].get("numerics", "flashkda"))
-        lines.append(f"| {n} | {h} | " + " | ".join(f"{times[bv]:.0f}" if bv in times else "" for bv in kinds)
+        pick = _launch.choose_block_v(num_seqs=len(lens), heads=h, sm_count=data["sm_count"],
+                                      numerics=data["rows"][0].get("numerics", "flashkda"),
+                                      tokens=sum(lens))
+        each = str(lens[0]) if len(set(lens)) == 1 else ", ".join(map(str, lens))
+        lines.append(f"| {len(lens)} | {each} | {h} | "
+                     + " | ".join(f"{times[bv]:.0f}" if bv in times else "" for bv in kinds)
                      + f" | {best} | {pick} ({times[pick] / times[best]:.2f}x) |")
     return "\n".join(lines)
 
@@ -104,7 +109,7 @@ def main():
                               total=sum(seq_lens))
             x["cu_seqlens"] = jnp.asarray(case.cu_seqlens(), jnp.int32)
             auto = _launch.choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sms,
-                                          numerics=args.numerics)
+                                          numerics=args.numerics, tokens=sum(seq_lens))
             for block_v in BLOCK_VS + ((BASELINE,) if args.with_baseline else ()):
                 variant = jax_variants.Variant("recurrence", block_v, numerics=args.numerics)
                 fn, fn_args, feedback, _ = jax_variants.build(variant, case, x, inverse="stable")

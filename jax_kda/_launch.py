@@ -29,6 +29,15 @@ _DEFAULT_SM_COUNT = 132  # H200; used only when no GPU is visible at trace time
 # chunk's inputs among 64 columns, and two of its CTAs per SM beat one block_v = 128 CTA: 730 vs
 # 750 us for the same 128 columns).
 _MAX_CTAS_PER_SM_AT_16 = 2
+# Short sequences past that: block_v = 16 is kept while block_v = 64 would put a second CTA on
+# some SM (more than SMs / 2 tasks) and block_v = 16 needs at most five CTAs on an SM (82 tasks on
+# an H200), for sequences of at most _SHORT_MEAN_TOKENS on average. Measured at 72 tasks
+# (benchmarks/results/h200-20261202-grid-mix-vs-uniform.json): 6 x 1365 tokens, 16 within 3.5 %
+# of 64; the packed mix [1300, 547, 2048, 963, 271, 3063], 16 1.1x ahead of 64 (its short chains
+# fill the SMs that finish early). Not for long ones (...-grid-67-82-tasks.json, 8192 tokens:
+# 16 is 1.06-1.24x behind at 72 and 80 tasks); lengths between 1365 and 8192 are not measured.
+_MAX_CTAS_PER_SM_AT_16_OVER_TWO_AT_64 = 5
+_SHORT_MEAN_TOKENS = 2048
 # The baseline kernel (benchmarks/results/h200-20261201-grid-baseline-short.json, -8k.json): with
 # sequences of <= 1024 tokens on average and more (sequence, head) tasks than SMs it was the
 # fastest in every measured cell (192 .. 3072 tasks: 1.05-1.32x ahead of block_v = 64); at 96
@@ -116,7 +125,7 @@ def resolve(launch: RecurrenceLaunch, *, num_seqs: int, heads: int,
                                                         tokens=tokens, sm_count=sm_count)):
         return RecurrenceLaunch("baseline")
     block_v = choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sm_count,
-                             numerics=numerics)
+                             numerics=numerics, tokens=tokens)
     assert not launch.overlap or block_v in OVERLAP_COLUMN_SPLITS  # flashkda picks 16 or 64
     return RecurrenceLaunch("column_split", block_v, launch.overlap)
 
@@ -145,12 +154,15 @@ def ctas_per_sm(*, tasks: int, block_v: int, sm_count: int) -> int:
 
 
 def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None,
-                   numerics: str = "flashkda") -> int:
+                   numerics: str = "flashkda", tokens: int | None = None) -> int:
     """The column split the H200 measurement found fastest (within noise) for N * H tasks:
 
     - 16 while no SM has to run more than two of its CTAs (N * H <= SMs / 4, 33 tasks on an
       H200): the shortest chain per chunk;
-    - else 64: past that, the wider slice does the same work with fewer CTAs per SM.
+    - for sequences of <= 2048 tokens on average (`tokens`: all of them together; unknown =
+      long), 16 also where 64 would put two CTAs on some SM and 16 at most five (67-82 tasks on
+      an H200): a tie for equal sequences, 16 ahead for packed ones of unequal lengths;
+    - else 64: the wider slice does the same work with fewer CTAs per SM.
 
     32 is never picked: wherever its grid fits one wave (N * H <= SMs / 4 as well), two block_v = 16
     CTAs per SM are as fast (307 vs 308 us); past one wave it loses to 64. 128 (one CTA per head)
@@ -161,7 +173,12 @@ def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None,
     tasks = num_seqs * heads
     if numerics == "fp32":
         return _choose_block_v_fp32(tasks, sms)
-    if ctas_per_sm(tasks=tasks, block_v=16, sm_count=sms) <= _MAX_CTAS_PER_SM_AT_16:
+    at_16 = ctas_per_sm(tasks=tasks, block_v=16, sm_count=sms)
+    if at_16 <= _MAX_CTAS_PER_SM_AT_16:
+        return 16
+    short = tokens is not None and tokens <= _SHORT_MEAN_TOKENS * num_seqs
+    if (short and ctas_per_sm(tasks=tasks, block_v=64, sm_count=sms) >= 2
+            and at_16 <= _MAX_CTAS_PER_SM_AT_16_OVER_TWO_AT_64):
         return 16
     return 64
 

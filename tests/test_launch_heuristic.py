@@ -42,6 +42,13 @@ def test_rule_depends_on_tasks_and_sm_count_only(sms):
     for tasks in range(1, 400):
         got = _launch.choose_block_v(num_seqs=1, heads=tasks, sm_count=sms)
         assert got == (16 if tasks * 8 <= 2 * sms else 64), (tasks, sms, got)
+        # sequences of <= 2048 tokens on average: also 16 where 64 puts two CTAs on some SM and
+        # 16 at most five
+        short = _launch.choose_block_v(num_seqs=2, heads=tasks // 2 or 1, sm_count=sms,
+                                       tokens=2 * 2048)
+        tasks2 = 2 * (tasks // 2 or 1)
+        also = tasks2 * 2 > sms and tasks2 * 8 <= 5 * sms
+        assert short == (16 if tasks2 * 8 <= 2 * sms or also else 64), (tasks2, sms, short)
     assert _launch.choose_block_v(num_seqs=4, heads=6, sm_count=sms) == _launch.choose_block_v(
         num_seqs=1, heads=24, sm_count=sms)
 
@@ -50,6 +57,22 @@ def test_kimi_k3_tensor_parallel_shapes_on_h200():
     # 96 heads at TP 1/2/4/8/16 -> 96/48/24/12/6 heads per GPU, one sequence
     picks = {h: _launch.choose_block_v(num_seqs=1, heads=h, sm_count=132) for h in (96, 48, 24, 12, 6)}
     assert picks == {96: 64, 48: 64, 24: 16, 12: 16, 6: 16}
+
+
+def test_long_sequences_between_67_and_82_tasks_keep_64():
+    """Where the short-sequence exception would apply by task count, 8192-token sequences keep
+    the long rule, within 7 % of the measured best (1 x 8192 at 72 / 80 heads, 4 x 8192 at 18 /
+    20; block_v = 16 there is 1.06-1.24x behind)."""
+    data = json.loads((GRID.parent / "h200-20261202-grid-67-82-tasks.json").read_text())
+    cells = collections.defaultdict(dict)
+    for row in data["rows"]:
+        cells[(tuple(row["seq_lens"]), row["heads"])][row["block_v"]] = row["median_us"]
+    assert len(cells) == 4
+    for (lens, h), times in cells.items():
+        got = _launch.choose_block_v(num_seqs=len(lens), heads=h, sm_count=data["sm_count"],
+                                     tokens=sum(lens))
+        assert 67 <= len(lens) * h <= 82 and got == 64
+        assert times[got] <= 1.07 * min(times.values()), (lens, h, times)
 
 
 FP32_GRID = GRID.parent / "h200-20261201-fp32-grid-2.json"
@@ -78,7 +101,8 @@ def test_fp32_rule_by_ctas_per_sm():
 
 
 BASELINE_GRIDS = [GRID.parent / "h200-20261201-grid-baseline-short.json",
-                  GRID.parent / "h200-20261201-grid-baseline-8k.json"]
+                  GRID.parent / "h200-20261201-grid-baseline-8k.json",
+                  GRID.parent / "h200-20261202-grid-mix-vs-uniform.json"]
 
 
 def _auto(num_seqs, heads, tokens, sms):
@@ -88,23 +112,28 @@ def _auto(num_seqs, heads, tokens, sms):
 
 
 def test_auto_with_the_baseline_kernel_against_its_grid():
-    """recurrence="auto" (the baseline kernel or a column split) against the grid that times
-    both: 8 and 32 sequences of 1024 tokens, a packed mix, 1 and 4 sequences of 8192; within 7 %
-    of the fastest kernel in every cell but the mix at 36 and 72 tasks, where block_v = 32 is
-    ahead of the column-split rule's 64 (1.09x, 1.12x; BENCHMARKS.md), which stay within 1.13x."""
-    checked = 0
+    """recurrence="auto" (the baseline kernel or a column split) against the grids that time
+    both: 8 and 32 sequences of 1024 tokens, a packed mix, 6 of 1365, 1 and 4 sequences of 8192;
+    within 7 % of the fastest kernel in every cell. The mix at 6 and 12 heads was measured in two
+    sessions (its split times moved by up to 30 %: which chain lands on which SM); each kernel
+    counts there with the mean of its two times."""
+    samples = collections.defaultdict(lambda: collections.defaultdict(list))
+    sm_counts = set()
     for path in BASELINE_GRIDS:
         data = json.loads(path.read_text())
-        cells = collections.defaultdict(dict)
+        sm_counts.add(data["sm_count"])
         for row in data["rows"]:
-            cells[(tuple(row["seq_lens"]), row["heads"])][row["block_v"]] = row["median_us"]
-        for (lens, h), times in cells.items():
-            assert set(times) == {16, 32, 64, 128, "baseline"}
-            ratio = times[_auto(len(lens), h, sum(lens), data["sm_count"])] / min(times.values())
-            mix_at_few_tasks = len(set(lens)) > 1 and len(lens) * h <= 72
-            assert ratio <= (1.13 if mix_at_few_tasks else 1.07), (lens, h, times)
-            checked += 1
-    assert checked == 23
+            samples[(tuple(row["seq_lens"]), row["heads"])][row["block_v"]].append(
+                row["median_us"])
+    (sms,) = sm_counts
+    twice = 0
+    for (lens, h), kernels in samples.items():
+        assert set(kernels) == {16, 32, 64, 128, "baseline"}
+        times = {k: sum(v) / len(v) for k, v in kernels.items()}
+        twice += max(map(len, kernels.values())) > 1
+        ratio = times[_auto(len(lens), h, sum(lens), sms)] / min(times.values())
+        assert ratio <= 1.07, (lens, h, times)
+    assert len(samples) == 25 and twice == 2
 
 
 def test_auto_picks_the_baseline_only_for_plain_bf16_mode_prefill():

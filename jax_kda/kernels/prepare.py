@@ -268,7 +268,8 @@ class KdaPrepare:
         """A0: issue every global load of the chunk (rows past the end re-read the last valid
         row, in bounds, and are zeroed afterwards: no branches) and allocate the record's shared
         memory. `rows`: how a chunk row maps to tensor elements (token(r) for r in 0..15 clamped
-        to n_valid - 1, row(m, tok) the 128 values of q / k / g, beta(tok) the logit).
+        to n_valid - 1, row(m, tok) the 128 values of q / k / g, beta(tok) the logit; for
+        async_copy also mBeta (compact), beta_index(tok) its element and beta_count()).
         smem_base (optional, a 128-byte aligned Uint8 shared pointer to RECORD_SMEM_BYTES): place
         the record, ki, beta and the staging area at the RECORD_SMEM offsets there instead of
         allocating them (the caller may then overlap the staging area's bytes past
@@ -367,7 +368,7 @@ class KdaPrepare:
             # threads 0-15: the aligned word holding their row's beta into their s_beta slot
             # (synchronously where that word would end past the array: its last element)
             elem, elems = rows.beta_index(beta_tok), rows.beta_count()
-            beta_addr = rows.beta_address(beta_tok)
+            beta_addr = rows.mBeta.iterator.toint() + Int64(elem) * 2
             async_ok = select_lt(elem + 1, elems, Int32(1), Int32(beta_addr) & 2)
             beta_to_shared_if(s_beta.iterator.toint() + tid * 4, beta_addr, async_ok, tid,
                               Int32(CHUNK))
@@ -875,15 +876,12 @@ class _PackedRows:
     def beta(self, tok):
         return self.mBeta[tok, self.head]
 
-    # beta's element index, count and global address (the kernel ABI's compact [T_total, H])
+    # beta's element index and count (the kernel ABI's compact [T_total, H])
     def beta_index(self, tok):
         return tok * self.mBeta.shape[1] + self.head
 
     def beta_count(self):
         return self.mBeta.shape[0] * self.mBeta.shape[1]
-
-    def beta_address(self, tok):
-        return self.mBeta.iterator.toint() + Int64(self.beta_index(tok)) * 2
 
 
 def _carve(base, byte_offset, dtype, layout):
