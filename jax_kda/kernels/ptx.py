@@ -491,9 +491,8 @@ def ld_shared_f32(smem_addr, *, loc=None, ip=None):
     )
 
 
-@dsl_user_op
-def cp_async_16_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
-    """16-byte global -> shared copy bypassing L1 (cp.async.cg), issued only if idx < limit."""
+def _cp_async_if(copy, smem_addr, gmem_addr, idx, limit, loc, ip):
+    """`@p <copy> [smem], [gmem], <bytes>;` with p = idx < limit."""
     _store(
         [
             _i32(smem_addr, loc, ip),
@@ -501,28 +500,23 @@ def cp_async_16_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
             _i32(idx, loc, ip),
             _i32(limit, loc, ip),
         ],
-        pred_lt_block("$3, $4", "@p cp.async.cg.shared.global [$1], [$2], 16;"),
+        pred_lt_block("$3, $4", "@p " + copy.format("[$1], [$2]")),
         "r,l,r,r",
         loc,
         ip,
     )
+
+
+@dsl_user_op
+def cp_async_16_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
+    """16-byte global -> shared copy bypassing L1 (cp.async.cg), issued only if idx < limit."""
+    _cp_async_if("cp.async.cg.shared.global {}, 16;", smem_addr, gmem_addr, idx, limit, loc, ip)
 
 
 @dsl_user_op
 def cp_async_4_if(smem_addr, gmem_addr, idx, limit, *, loc=None, ip=None):
     """4-byte global -> shared copy (cp.async.ca), issued only if idx < limit."""
-    _store(
-        [
-            _i32(smem_addr, loc, ip),
-            _i64(gmem_addr, loc, ip),
-            _i32(idx, loc, ip),
-            _i32(limit, loc, ip),
-        ],
-        pred_lt_block("$3, $4", "@p cp.async.ca.shared.global [$1], [$2], 4;"),
-        "r,l,r,r",
-        loc,
-        ip,
-    )
+    _cp_async_if("cp.async.ca.shared.global {}, 4;", smem_addr, gmem_addr, idx, limit, loc, ip)
 
 
 @dsl_user_op
