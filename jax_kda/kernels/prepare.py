@@ -25,7 +25,8 @@ access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, t
      (mma.sync m16n8k16 through shared memory, k-blocks ascending).
   D. Threads 0-95 store gt, INV and Mqk from the shared record.
 About 22 KB of shared memory per CTA (ki takes the shared record's unused kr
-bytes; g is never staged), so up to 10 CTAs per SM.
+bytes, g the kd bytes until phase B, dt_bias and A_log the INV and Mqk bytes until
+phase C), so up to 10 CTAs per SM.
 
 Phases A0-A, B and C are the methods record_inputs, record_normalize,
 record_decays and record_inverse_mqk (a ChunkRecord carries what one hands the
