@@ -205,3 +205,17 @@ def test_auto_on_the_full_gpu_cases_matches_today_s_choice_and_the_best_kernel()
         assert str(got) == times["auto"][1], (name, got, times["auto"])
         best = min(t for t, _ in times.values())
         assert times["auto"][0] <= 1.07 * best, (name, times)
+
+
+def test_short_sequence_exception_needs_the_token_count():
+    """At 72 tasks on 132 SMs the column split depends on the mean length: 16 for short
+    sequences (the packed mix's 6 sequences in 8192 tokens), 64 for long ones or when the token
+    count is unknown (the rule for long sequences)."""
+    six = {"num_seqs": 6, "heads": 12, "sm_count": 132}
+    auto = _launch.requested("auto", None)
+    assert _launch.resolve(auto, **six, tokens=8192).column_split == 16
+    assert _launch.resolve(auto, **six, tokens=6 * 8192).column_split == 64
+    assert _launch.resolve(auto, **six).column_split == 64
+    # the fp32 mode keeps its own rule
+    assert _launch.resolve(auto, **six, tokens=8192, numerics="fp32").column_split == \
+        _launch.choose_block_v(num_seqs=6, heads=12, sm_count=132, numerics="fp32")
