@@ -52,9 +52,9 @@ from . import workspace_layout as wl
 from .compile_utils import compile_for_arch, fake_stream, fake_tensor, symbol
 from .ptx import (
     LOG2E,
+    beta_to_shared_if,
     bf16_to_f32,
     bf16x2_hi_to_f32,
-    beta_to_shared_if,
     bf16x2_lo_to_f32,
     cp_async_4_if,
     cp_async_16_if,
