@@ -28,12 +28,12 @@ fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for b in A B; do
     if [[ -n "${BENCH_SCRIPT:-}" ]]; then
-      (cd /tmp && PYTHONPATH="${SITE[$b]}" timeout "${BENCH_TIMEOUT:-200}" python3 "$REPO/$BENCH_SCRIPT" \
-        $BENCH_ARGS --out "$OUT/${b}${round}.json") > "$OUT/bench_${b}${round}.log" 2>&1
+      bench=("$REPO/$BENCH_SCRIPT" $BENCH_ARGS --out "$OUT/${b}${round}.json")
     else
-      (cd /tmp && PYTHONPATH="${SITE[$b]}" timeout "${BENCH_TIMEOUT:-200}" python3 -m jax_kda.bench $BENCH_ARGS \
-        --out "$OUT" --tag "${b}${round}" --no-plot --no-progress) > "$OUT/bench_${b}${round}.log" 2>&1
+      bench=(-m jax_kda.bench $BENCH_ARGS --out "$OUT" --tag "${b}${round}" --no-plot --no-progress)
     fi
+    (cd /tmp && PYTHONPATH="${SITE[$b]}" timeout "${BENCH_TIMEOUT:-200}" python3 "${bench[@]}") \
+      > "$OUT/bench_${b}${round}.log" 2>&1
     echo "bench $b round $round exit $?"
   done
 done

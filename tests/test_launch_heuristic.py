@@ -42,15 +42,18 @@ def test_rule_depends_on_tasks_and_sm_count_only(sms):
     for tasks in range(1, 400):
         got = _launch.choose_block_v(num_seqs=1, heads=tasks, sm_count=sms)
         assert got == (16 if tasks * 8 <= 2 * sms else 64), (tasks, sms, got)
-        # sequences of <= 2048 tokens on average: also 16 where 64 puts two CTAs on some SM and
-        # 16 at most five
-        short = _launch.choose_block_v(num_seqs=2, heads=tasks // 2 or 1, sm_count=sms,
-                                       tokens=2 * 2048)
-        tasks2 = 2 * (tasks // 2 or 1)
-        also = tasks2 * 2 > sms and tasks2 * 8 <= 5 * sms
-        assert short == (16 if tasks2 * 8 <= 2 * sms or also else 64), (tasks2, sms, short)
     assert _launch.choose_block_v(num_seqs=4, heads=6, sm_count=sms) == _launch.choose_block_v(
         num_seqs=1, heads=24, sm_count=sms)
+
+
+@pytest.mark.parametrize("sms", [132, 148, 78, 16])
+def test_short_sequences_also_keep_16_where_64_puts_two_ctas_on_an_sm(sms):
+    # two sequences of 2048 tokens (the short-sequence bound) and 2 .. 398 tasks
+    for heads in range(1, 200):
+        tasks = 2 * heads
+        got = _launch.choose_block_v(num_seqs=2, heads=heads, sm_count=sms, tokens=2 * 2048)
+        also = tasks * 2 > sms and tasks * 8 <= 5 * sms
+        assert got == (16 if tasks * 8 <= 2 * sms or also else 64), (tasks, sms, got)
 
 
 def test_kimi_k3_tensor_parallel_shapes_on_h200():

@@ -277,9 +277,11 @@ class KdaPrepare:
         INVERSE_SCRATCH_BYTES once record_decays has returned).
         kr_to_global: the caller hands record_decays the record's global address (g_record),
         so the shared record's kr bytes hold the ki tile instead.
-        async_copy: q, k and g go to shared memory by cp.async (one commit group, which
-        record_normalize waits for; the caller must have no other group in flight), g into the
-        shared record's kd bytes (row-major), instead of into registers."""
+        async_copy: every input goes to shared memory by cp.async instead of into registers (one
+        commit group, which record_normalize waits for; the caller must have no other group in
+        flight): q and k into the staging area, g row-major into the shared record's kd bytes,
+        beta's word into its s_beta slot, dt_bias's row into the INV bytes, A_log into the Mqk
+        bytes."""
         group = tid % 16
         # (half, q/k, values), values contiguous so that each load is one 16-byte vector
         raw = cute.make_rmem_tensor(
@@ -305,11 +307,9 @@ class KdaPrepare:
                     cute.local_tile(rows.row(mG, tok), (2,), (tid % 64,)), g_pairs[i, None]
                 )
         beta_tok = rows.token(cutlass.min(tid % CHUNK, n_valid - 1))
-        beta_raw = None
+        beta_raw = beta_half = dt0 = dt1 = a_log = None
         if cutlass.const_expr(not async_copy):
             beta_raw = rows.beta(beta_tok)
-        dt0 = dt1 = a_log = None
-        if cutlass.const_expr(not async_copy):
             dt0 = mDtBias[head, c0]
             dt1 = mDtBias[head, c0 + 1]
             a_log = mALog[head]
@@ -373,7 +373,7 @@ class KdaPrepare:
             async_ok = select_lt(elem + 1, elems, Int32(1), Int32(beta_addr) & 2)
             beta_to_shared_if(s_beta.iterator.toint() + tid * 4, beta_addr, async_ok, tid,
                               Int32(CHUNK))
-            beta_raw = beta_addr  # which half of the slot holds it: (address & 2)
+            beta_half = Int32(beta_addr) & 2  # the byte of the slot where it lands
             # dt_bias's row of this head (threads 0-31, 16 bytes each) into the INV bytes and
             # A_log (thread 0) into the Mqk bytes: both free until phase C
             dt_src = cute.local_tile(mDtBias[head, None], (4,), (tid % 32,))
@@ -406,6 +406,7 @@ class KdaPrepare:
             s_beta=s_beta,
             kr_to_global=kr_to_global,
             async_copy=async_copy,
+            beta_half=beta_half,
         )
 
     @cute.jit
@@ -432,7 +433,7 @@ class KdaPrepare:
         s_beta = rec.s_beta
         if tid < CHUNK:
             if cutlass.const_expr(rec.async_copy):
-                bits = ld_shared_u16(s_beta.iterator.toint() + tid * 4 + (Int32(beta_raw) & 2))
+                bits = ld_shared_u16(s_beta.iterator.toint() + tid * 4 + rec.beta_half)
                 b = sigmoid(u32_as_f32(Uint32(bits) << 16))
             else:
                 b = sigmoid(bf16_to_f32(beta_raw))
