@@ -13,8 +13,16 @@ reference_fp32's term sets; x' marks an operand decayed across the chunk boundar
                                                        B_ba = qd_b . kr_a^T;
   S' = fmaf(S, gt_a gt_b, kr_a'^T . U_a + kr_b^T . U_b),  kr_a' = k_a 2^(G_a,15 - G_a + G_b,15).
 
+--form record: the same step with today's record operands only (no x' operands), the decay across
+the boundary applied to the state instead, and both chunks' state updates kept (so the state at
+every chunk boundary exists, for pieces and prefix states):
+  S_dec = S * gt_a (per key, split like S);  P_b = kd_b . S_dec^T + A_ba . U_a;
+  out_b = bf16(qd_b . S_dec^T + (B_ba . U_a + Mqk_b . U_b));
+  S_a = fmaf(S, gt_a, kr_a^T . U_a),  S' = fmaf(S_a, gt_b, kr_b^T . U_b).
+
   python benchmarks/fp32_state_step_experiment.py [--seqlen 2048] [--heads 2] [--out FILE.json]
       [--regimes fla,keep32,slow] [--laws normal] [--a-terms three | kd_hi]
+      [--form predecayed | record]
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ SCALE = 128**-0.5
 # A_ba's terms: "three" (hh + (hl + lh) on kd_b and kr_a hi / lo) or "kd_hi" (hh + hl: kd_b's hi
 # only, the way P = kd . S^T takes kd)
 A_TERMS = ("three", "kd_hi")
+# the pair step: with pre-decayed cross-boundary operands and one state update, or on today's
+# record operands with the decay applied to the state and both chunks' updates (module docstring)
+FORMS = ("predecayed", "record")
 
 
 def _pair_workspace(q, k, g, beta, A_log, dt_bias, valid, a_terms="three"):
@@ -75,6 +86,8 @@ def _pair_workspace(q, k, g, beta, A_log, dt_bias, valid, a_terms="three"):
             a_ba = r32.mma_product("L", "...rd,...cd->...rc", b_(ws.kd), a_(ws.kr))
     return {
         "kd_a": a_(ws.kd), "qd_a": a_(ws.qd), "kr_b": b_(ws.kr),
+        "kd_b": b_(ws.kd), "qd_b": b_(ws.qd), "kr_a": a_(ws.kr),
+        "gt_a": gt_a[..., 0, :], "gt_b": gt_b[..., 0, :],
         "kd_b2": r32.HiLo(ref._narrow(ftz(b_(kn) * (b_(e) * gt_a)), jnp.bfloat16), None),
         "qd_b2": r32.split_hi_lo(ftz(ftz(b_(qn) * (b_(e) * gt_a)) * scale)),
         "kr_a2": r32.split_hi_lo(ftz(a_(kn) * (a_(ei) * (gt_a * gt_b)))),
@@ -110,8 +123,36 @@ def _pair_step(state, x):
     return new_state, (out_a, out_b)
 
 
-def prefill_pairs(q, k, v, g, beta, A_log, dt_bias, a_terms="three"):
-    """Batched prefill (no cu_seqlens), T a multiple of 32, zero initial state; a_terms: A_TERMS."""
+def _pair_step_on_record(state, x):
+    """--form record: the pair step on today's record operands (module docstring)."""
+    ws, v_a, v_b = x
+    s = r32.split_hi_lo(state)
+    s_dec = r32.split_hi_lo(r32._ftz(state * ws["gt_a"][..., None, :]))
+    kp = r32.key_halves_product
+    p_a = kp("P", "...rk,...vk->...rv", ws["kd_a"], s)
+    oq_a = kp("Oq", "...rk,...vk->...rv", ws["qd_a"], s)
+    p_b2 = kp("P", "...rk,...vk->...rv", ws["kd_b"], s_dec)
+    oq_b2 = kp("Oq", "...rk,...vk->...rv", ws["qd_b"], s_dec)
+    mm = r32.mma_product
+    u_a = r32.split_hi_lo((r32._f32(v_a) - p_a) * ws["b_a"][..., :, None])
+    big_ua = r32.split_hi_lo(mm("U", "...rc,...cv->...rv", ws["inv_a"], u_a))
+    p_b = p_b2 + mm("U", "...rc,...cv->...rv", ws["A_ba"], big_ua)
+    u_b = r32.split_hi_lo((r32._f32(v_b) - p_b) * ws["b_b"][..., :, None])
+    big_ub = r32.split_hi_lo(mm("U", "...rc,...cv->...rv", ws["inv_b"], u_b))
+    out_a = ref._narrow(oq_a + mm("out", "...rc,...cv->...rv", ws["mqk_a"], big_ua), jnp.bfloat16)
+    out_b = ref._narrow(oq_b2 + (mm("out", "...rc,...cv->...rv", ws["B_ba"], big_ua)
+                                 + mm("out", "...rc,...cv->...rv", ws["mqk_b"], big_ub)),
+                        jnp.bfloat16)
+    w_a = mm("W", "...rk,...rv->...vk", ws["kr_a"], big_ua)
+    state_a = r32._ftz(ref.fma_f32(state, ws["gt_a"][..., None, :], w_a))
+    w_b = mm("W", "...rk,...rv->...vk", ws["kr_b"], big_ub)
+    new_state = r32._ftz(ref.fma_f32(state_a, ws["gt_b"][..., None, :], w_b))
+    return new_state, (out_a, out_b)
+
+
+def prefill_pairs(q, k, v, g, beta, A_log, dt_bias, a_terms="three", form="predecayed"):
+    """Batched prefill (no cu_seqlens), T a multiple of 32, zero initial state; a_terms: A_TERMS,
+    form: FORMS."""
     B, T, H, D = q.shape
     assert T % (2 * CHUNK) == 0
     C = T // CHUNK
@@ -133,7 +174,8 @@ def prefill_pairs(q, k, v, g, beta, A_log, dt_bias, a_terms="three"):
     xs = ({n: first(f) for n, f in ws.items()}, jnp.moveaxis(vc[..., 0::2, :, :], -3, 0),
           jnp.moveaxis(vc[..., 1::2, :, :], -3, 0))
     state0 = jnp.zeros((B, H, D, D), jnp.float32)
-    final, (out_a, out_b) = jax.lax.scan(_pair_step, state0, xs)
+    step = {"predecayed": _pair_step, "record": _pair_step_on_record}[form]
+    final, (out_a, out_b) = jax.lax.scan(step, state0, xs)
     out = jnp.stack([out_a, out_b], 1)  # [P, 2, B, H, 16, 128]
     out = jnp.moveaxis(out.reshape((C,) + out.shape[2:]), 0, 2)  # [B, H, C, 16, 128]
     return jnp.moveaxis(out, 1, 3).reshape(B, T, H, D), final
@@ -151,13 +193,14 @@ def main():
     ap.add_argument("--regimes", default=",".join(regimes.REGIMES))
     ap.add_argument("--laws", default=",".join(regimes.LAWS))
     ap.add_argument("--a-terms", choices=A_TERMS, default="three")
+    ap.add_argument("--form", choices=FORMS, default="predecayed")
     ap.add_argument("--out")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
     serial = jax.jit(lambda a: r32.kda_prefill_reference_fp32(
         **a, scale=SCALE, lower_bound=LOWER_BOUND))
-    pairs = jax.jit(lambda a: prefill_pairs(**a, a_terms=args.a_terms))
+    pairs = jax.jit(lambda a: prefill_pairs(**a, a_terms=args.a_terms, form=args.form))
     for regime in args.regimes.split(","):
         for law in args.laws.split(","):
             a = regimes.make_inputs(rng, args.seqlen, args.heads, regime, law)
@@ -173,7 +216,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"seqlen": args.seqlen, "heads": args.heads, "device": "cpu",
-                       "a_terms": args.a_terms, "rows": rows}, f, indent=1)
+                       "a_terms": args.a_terms, "form": args.form, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
