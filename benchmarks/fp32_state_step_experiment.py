@@ -99,14 +99,9 @@ def _pair_workspace(q, k, g, beta, A_log, dt_bias, valid, a_terms="three"):
     }
 
 
-def _pair_step(state, x):
-    ws, v_a, v_b = x
-    s = r32.split_hi_lo(state)
-    kp = r32.key_halves_product
-    p_a = kp("P", "...rk,...vk->...rv", ws["kd_a"], s)
-    p_b2 = kp("P", "...rk,...vk->...rv", ws["kd_b2"], s)
-    oq_a = kp("Oq", "...rk,...vk->...rv", ws["qd_a"], s)
-    oq_b2 = kp("Oq", "...rk,...vk->...rv", ws["qd_b2"], s)
+def _chunks_of_pair(ws, v_a, v_b, p_a, p_b2, oq_a, oq_b2):
+    """Both forms from P_a, P_b' (P_b without A_ba . U_a), Oq_a, Oq_b': (U_a, U_b) split and
+    (out_a, out_b)."""
     mm = r32.mma_product
     u_a = r32.split_hi_lo((r32._f32(v_a) - p_a) * ws["b_a"][..., :, None])
     big_ua = r32.split_hi_lo(mm("U", "...rc,...cv->...rv", ws["inv_a"], u_a))
@@ -117,10 +112,26 @@ def _pair_step(state, x):
     out_b = ref._narrow(oq_b2 + (mm("out", "...rc,...cv->...rv", ws["B_ba"], big_ua)
                                  + mm("out", "...rc,...cv->...rv", ws["mqk_b"], big_ub)),
                         jnp.bfloat16)
+    return big_ua, big_ub, (out_a, out_b)
+
+
+def _p_oq(ws, a, b, s_a, s_b):
+    """P and Oq of chunk a's operands on split state s_a, of b's on s_b (key halves)."""
+    kp = r32.key_halves_product
+    return (kp("P", "...rk,...vk->...rv", ws["kd_" + a], s_a),
+            kp("P", "...rk,...vk->...rv", ws["kd_" + b], s_b),
+            kp("Oq", "...rk,...vk->...rv", ws["qd_" + a], s_a),
+            kp("Oq", "...rk,...vk->...rv", ws["qd_" + b], s_b))
+
+
+def _pair_step(state, x):
+    ws, v_a, v_b = x
+    s = r32.split_hi_lo(state)
+    big_ua, big_ub, outs = _chunks_of_pair(ws, v_a, v_b, *_p_oq(ws, "a", "b2", s, s))
+    mm = r32.mma_product
     w = (mm("W", "...rk,...rv->...vk", ws["kr_a2"], big_ua)
          + mm("W", "...rk,...rv->...vk", ws["kr_b"], big_ub))
-    new_state = r32._ftz(ref.fma_f32(state, ws["gt2"][..., None, :], w))
-    return new_state, (out_a, out_b)
+    return r32._ftz(ref.fma_f32(state, ws["gt2"][..., None, :], w)), outs
 
 
 def _pair_step_on_record(state, x):
@@ -128,26 +139,12 @@ def _pair_step_on_record(state, x):
     ws, v_a, v_b = x
     s = r32.split_hi_lo(state)
     s_dec = r32.split_hi_lo(r32._ftz(state * ws["gt_a"][..., None, :]))
-    kp = r32.key_halves_product
-    p_a = kp("P", "...rk,...vk->...rv", ws["kd_a"], s)
-    oq_a = kp("Oq", "...rk,...vk->...rv", ws["qd_a"], s)
-    p_b2 = kp("P", "...rk,...vk->...rv", ws["kd_b"], s_dec)
-    oq_b2 = kp("Oq", "...rk,...vk->...rv", ws["qd_b"], s_dec)
+    big_ua, big_ub, outs = _chunks_of_pair(ws, v_a, v_b, *_p_oq(ws, "a", "b", s, s_dec))
     mm = r32.mma_product
-    u_a = r32.split_hi_lo((r32._f32(v_a) - p_a) * ws["b_a"][..., :, None])
-    big_ua = r32.split_hi_lo(mm("U", "...rc,...cv->...rv", ws["inv_a"], u_a))
-    p_b = p_b2 + mm("U", "...rc,...cv->...rv", ws["A_ba"], big_ua)
-    u_b = r32.split_hi_lo((r32._f32(v_b) - p_b) * ws["b_b"][..., :, None])
-    big_ub = r32.split_hi_lo(mm("U", "...rc,...cv->...rv", ws["inv_b"], u_b))
-    out_a = ref._narrow(oq_a + mm("out", "...rc,...cv->...rv", ws["mqk_a"], big_ua), jnp.bfloat16)
-    out_b = ref._narrow(oq_b2 + (mm("out", "...rc,...cv->...rv", ws["B_ba"], big_ua)
-                                 + mm("out", "...rc,...cv->...rv", ws["mqk_b"], big_ub)),
-                        jnp.bfloat16)
     w_a = mm("W", "...rk,...rv->...vk", ws["kr_a"], big_ua)
     state_a = r32._ftz(ref.fma_f32(state, ws["gt_a"][..., None, :], w_a))
     w_b = mm("W", "...rk,...rv->...vk", ws["kr_b"], big_ub)
-    new_state = r32._ftz(ref.fma_f32(state_a, ws["gt_b"][..., None, :], w_b))
-    return new_state, (out_a, out_b)
+    return r32._ftz(ref.fma_f32(state_a, ws["gt_b"][..., None, :], w_b)), outs
 
 
 def prefill_pairs(q, k, v, g, beta, A_log, dt_bias, a_terms="three", form="predecayed"):
