@@ -280,11 +280,6 @@ def check_decode(
         _check_pool(fn, "state", state, H)
     if state_indices is not None:
         _check_state_indices(fn, state_indices, N, shape[0])
-    if numerics == "fp32" and output_intermediate_states:
-        raise ValueError(
-            f"{fn}: output_intermediate_states is available with numerics='flashkda' only; "
-            "leave it False with numerics='fp32'"
-        )
     return DecodeProblem(N, t, H, shape[0], state_indices is not None, np.dtype(state.dtype),
                          scale, lower_bound, bool(output_intermediate_states), numerics)
 

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import _ffi, _launch, _sequence_parallel, _state_pool
 from ._checks import DecodeProblem, Problem
@@ -192,6 +193,9 @@ def _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
                  problem: DecodeProblem):
     """kda_decode in the fp32 mode: kda_prefill's fp32 kernels on the N x t tokens, on the
     gathered pool rows (the result scattered back); no fused kernel exists for this mode."""
+    if problem.intermediate_states:
+        return _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices,
+                                     problem=problem)
     N, t, H = problem.num_seqs, problem.tokens, problem.heads
     prefill_problem = Problem(
         batch=N, seqlen=t, heads=H, num_seqs=N, varlen=False, state_dtype=problem.state_dtype,
@@ -201,3 +205,44 @@ def _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
     out, new_state, _ = prefill(q, k, v, g, beta, A_log, dt_bias, state, None, state_indices,
                                 None, problem=prefill_problem, options=options)
     return out, new_state, None
+
+
+def _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
+                          problem: DecodeProblem):
+    """kda_decode(numerics="fp32", output_intermediate_states=True): intermediate state i is by
+    definition the final state of a prefill on the first i + 1 tokens, so every prefix of every
+    sequence becomes a sequence of its own, all packed into ONE fp32 prefill (N * t sequences,
+    N * t (t + 1) / 2 tokens) from the sequence's initial state; out and the new state are those
+    of the longest prefix (the whole t tokens). Each packed sequence is computed independently by
+    the kernels and the fp32 mode's bits do not depend on the column split, so every result is
+    bitwise kda_prefill's on the same tokens. The cost grows as t (t + 1) / 2 tokens instead of t."""
+    N, t, H = problem.num_seqs, problem.tokens, problem.heads
+    prefix_tokens = t * (t + 1) // 2  # tokens of the t prefixes of one sequence
+    # packed token j of sequence n's prefixes reads token (n, row_of[j]); prefix i starts at
+    # i (i + 1) / 2
+    row_of = np.concatenate([np.arange(i + 1) for i in range(t)])
+    prefix_start = np.array([i * (i + 1) // 2 for i in range(t)])
+    seqs = np.arange(N)[:, None]
+    source = (seqs * t + row_of[None, :]).reshape(-1)
+    cu = np.append((seqs * prefix_tokens + prefix_start[None, :]).reshape(-1), N * prefix_tokens)
+    packed = [_flat(x)[source][None] for x in (q, k, v, g, beta)]
+    valid = (jnp.ones((N,), bool) if state_indices is None
+             else _state_pool.valid_rows(state_indices, problem.pool_rows))
+    initial = _state_pool.gather(state, state_indices) if problem.indexed else state
+    prefill_problem = Problem(
+        batch=1, seqlen=N * prefix_tokens, heads=H, num_seqs=N * t, varlen=True,
+        state_dtype=problem.state_dtype, scale=problem.scale, lower_bound=problem.lower_bound,
+        numerics="fp32")
+    options = PrefillOptions("stable", _launch.RecurrenceLaunch())
+    out, finals, _ = prefill(*packed, A_log, dt_bias, jnp.repeat(initial, t, axis=0),
+                             jnp.asarray(cu, jnp.int32), None, None, problem=prefill_problem,
+                             options=options)
+    longest = (seqs * prefix_tokens + prefix_start[-1] + np.arange(t)[None, :]).reshape(-1)
+    out = out[0, longest].reshape(q.shape)
+    states = finals.reshape((N, t) + finals.shape[1:])
+    pad = ~valid
+    out = jnp.where(pad[:, None, None, None], jnp.zeros((), out.dtype), out)
+    states = jnp.where(pad[:, None, None, None, None], jnp.zeros((), states.dtype), states)
+    new_state = (_state_pool.scatter(state, state_indices, states[:, -1]) if problem.indexed
+                 else states[:, -1])
+    return vary_like(out, v), vary_like(new_state, v), vary_like(states, v)

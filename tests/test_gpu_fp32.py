@@ -13,6 +13,8 @@ kernel vs the float64 oracle, pools and decode.
 - kernel vs float64 oracle: out <= 3.0e-3 and final state <= 2.5e-3 relative RMSE in the gate
   regimes of docs/fp32_mode.md, and at least 1.5x (out) / 1.8x (state) below the default mode's
   error.
+- decode: with output_intermediate_states, state i is bitwise the kernel prefill's final state on
+  the first i + 1 tokens (bf16 and f32 pools, a padding slot).
 The measured figures are printed (pytest -s).
 """
 
@@ -206,6 +208,36 @@ def test_pool_and_decode_are_the_prefill_on_the_rows():
         assert not np.asarray(o[1].astype(jnp.float32)).any()
         for row in (1, 2, 3):
             np.testing.assert_array_equal(bits(p[row]), bits(pool[row]))
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_intermediate_states_are_prefix_prefills_bitwise(t, dtype):
+    """kda_decode(output_intermediate_states=True) on a pool with a padding slot: state i ==
+    the kernel prefill's final state on the first i + 1 tokens, bitwise; out and the pool ==
+    kda_decode without them; the padding slot's out and states are zero."""
+    rng = np.random.default_rng()
+    H = 2
+    a = make_inputs(rng, 3, t, H)
+    pool = random_state(rng, 4, H, dtype)
+    idx = jnp.asarray([3, -1, 1], jnp.int32)
+    decode = jax.jit(lambda a, p, states: jax_kda.kda_decode(
+        **a, state=p, state_indices=idx, backend="kernel", output_intermediate_states=states,
+        **FP32), static_argnums=2)
+    out, new_pool, states = decode(a, pool, True)
+    plain_out, plain_pool = decode(a, pool, False)
+    np.testing.assert_array_equal(bits(out), bits(plain_out))
+    np.testing.assert_array_equal(bits(new_pool), bits(plain_pool))
+    for n, row in ((0, 3), (2, 1)):
+        for i in range(t):
+            part = {k: (x[n:n + 1, :i + 1] if x.ndim >= 3 else x) for k, x in a.items()}
+            _, final = prefill("kernel")(part, {"initial_state": pool[row:row + 1]})
+            np.testing.assert_array_equal(bits(states[n, i]), bits(final[0]))
+        np.testing.assert_array_equal(bits(states[n, -1]), bits(new_pool[row]))
+    assert not np.asarray(states[1].astype(jnp.float32)).any()
+    assert not np.asarray(out[1].astype(jnp.float32)).any()
+    for row in (0, 2):
+        np.testing.assert_array_equal(bits(new_pool[row]), bits(pool[row]))
 
 
 def test_vmap_folds_into_one_call_with_the_same_bits():

@@ -103,11 +103,63 @@ def test_bad_combinations_name_the_argument(bad, message):
         jax_kda.kda_prefill(**a, **bad)
 
 
-def test_decode_intermediate_states_need_the_default_mode():
-    a = inputs(np.random.default_rng(0), 2, 3, 1)
-    state = jnp.zeros((2, 1, 128, 128), jnp.float32)
-    with pytest.raises(ValueError, match="output_intermediate_states"):
-        jax_kda.kda_decode(**a, state=state, numerics="fp32", output_intermediate_states=True)
+def _decode_with_states(a, pool, idx, **kw):
+    return jax.jit(lambda a, p: jax_kda.kda_decode(
+        **{k: a[k] for k in DECODE_ARGS}, state=p, state_indices=idx, scale=SCALE,
+        lower_bound=LOWER, numerics="fp32", output_intermediate_states=True, **kw))(a, pool)
+
+
+DECODE_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp32_decode_intermediate_states_are_prefix_prefills(dtype):
+    """Reference backend: state i == the fp32 prefill's final state on the first i + 1 tokens,
+    out and the pool as kda_decode without them; a padding slot gets zeros."""
+    rng = np.random.default_rng()
+    a = inputs(rng, 3, 5, 2)
+    pool = jnp.asarray(rng.standard_normal((4, 2, 128, 128)) * 0.1, dtype)
+    idx = jnp.asarray([2, -1, 0], jnp.int32)
+    out, new_pool, states = _decode_with_states(a, pool, idx)
+    assert states.shape == (3, 5, 2, 128, 128) and states.dtype == dtype
+    plain_out, plain_pool = jax.jit(lambda a, p: jax_kda.kda_decode(
+        **a, state=p, state_indices=idx, scale=SCALE, lower_bound=LOWER, numerics="fp32"))(
+        a, pool)
+    np.testing.assert_array_equal(bits(out), bits(plain_out))
+    np.testing.assert_array_equal(bits(new_pool), bits(plain_pool))
+    for n, row in ((0, 2), (2, 0)):
+        for i in range(5):
+            part = {k: (x[n:n + 1, :i + 1] if x.ndim >= 3 else x) for k, x in a.items()}
+            _, final = jax.jit(lambda a, s: jax_kda.kda_prefill(
+                **a, initial_state=s, output_final_state=True, scale=SCALE, lower_bound=LOWER,
+                numerics="fp32"))(part, pool[row:row + 1])
+            np.testing.assert_array_equal(bits(states[n, i]), bits(final[0]))
+        np.testing.assert_array_equal(bits(states[n, -1]), bits(new_pool[row]))
+    assert not np.asarray(states[1].astype(jnp.float32)).any()
+    assert not np.asarray(out[1].astype(jnp.float32)).any()
+
+
+def test_fp32_decode_prefix_packing_of_the_kernel_path(monkeypatch):
+    """The kernel path's one packed prefill over every prefix, with the reference standing in for
+    the kernels: bitwise the intermediate states, out and pool of the reference backend's
+    decode (which runs each prefix on its own), padding slot included."""
+    from jax_kda import _reference_path
+    monkeypatch.setattr(_kernel_path, "prefill", lambda *arrays, problem, options: (
+        _reference_path.prefill(*arrays, problem=problem, inverse=options.inverse)))
+    rng = np.random.default_rng()
+    a = inputs(rng, 3, 4, 2)
+    pool = jnp.asarray(rng.standard_normal((5, 2, 128, 128)) * 0.1, jnp.float32)
+    idx = jnp.asarray([4, 1, -1], jnp.int32)
+    want = _decode_with_states(a, pool, idx)
+    problem = jax_kda._checks.check_decode(
+        *(a[k] for k in DECODE_ARGS), state=pool, state_indices=idx, scale=SCALE,
+        lower_bound=LOWER, output_intermediate_states=True, numerics="fp32")
+    got = jax.jit(lambda a, p: _kernel_path.decode(
+        *(a[k] for k in DECODE_ARGS), p, idx, problem=problem, inverse="stable"))(a, pool)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(bits(x), bits(y))
+    assert not np.asarray(got[2][2]).any() and not np.asarray(got[0][2].astype(jnp.float32)).any()
 
 
 def _lowered_calls(monkeypatch, numerics, state_dtype=jnp.bfloat16, pooled=False):
