@@ -444,6 +444,7 @@ JAX_KDA_EXPORT const char* jax_kda_ffi_kernels() {
     for (const auto& spec : jax_kda::DecodeSpecs()) add(spec.module.name);
     for (const auto& spec : jax_kda::PrepareFp32Specs()) add(spec.module.name);
     for (const auto& spec : jax_kda::RecurrenceFp32Specs()) add(spec.module.name);
+    for (const auto& spec : jax_kda::RecurrenceFp32PoolSpecs()) add(spec.module.name);
     for (const auto& spec : jax_kda::PrepareOverlapSpecs()) add(spec.module.name);
     for (const auto& spec : jax_kda::RecurrenceOverlapSpecs()) add(spec.module.name);
     return s;

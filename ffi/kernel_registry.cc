@@ -124,6 +124,8 @@ namespace {
 // The fp32 numerics mode's kernels take the same operands as their bf16 counterparts.
 #define JAX_KDA_PREPARE_FP32(P, INVERSE, SM) JAX_KDA_PREPARE(P, INVERSE, SM)
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM) JAX_KDA_RECURRENCE(P, BLOCK_V, SM)
+#define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM) \
+  JAX_KDA_RECURRENCE_POOL(P, BLOCK_V, STATE_DTYPE, SM)
 #include "kernels_specs.inc"
 #undef JAX_KDA_PREPARE
 #undef JAX_KDA_RECURRENCE
@@ -131,6 +133,7 @@ namespace {
 #undef JAX_KDA_DECODE
 #undef JAX_KDA_PREPARE_FP32
 #undef JAX_KDA_RECURRENCE_FP32
+#undef JAX_KDA_RECURRENCE_FP32_POOL
 #undef JAX_KDA_PREPARE_OVERLAP
 #undef JAX_KDA_RECURRENCE_OVERLAP
 
@@ -151,6 +154,7 @@ namespace {
 #define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, SM)
 #define JAX_KDA_PREPARE_FP32(P, INVERSE, SM)
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM)
+#define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM)
 #define JAX_KDA_PREPARE_OVERLAP(P, INVERSE, SM)
 #define JAX_KDA_RECURRENCE_OVERLAP(P, BLOCK_V, SM)
 
@@ -204,6 +208,15 @@ const KernelSpec<RecurrenceArgs> kRecurrenceFp32Specs[] = {
 #undef JAX_KDA_RECURRENCE_FP32
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM)
 
+#undef JAX_KDA_RECURRENCE_FP32_POOL
+#define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM) \
+  JAX_KDA_ENTRY(P, PoolVariant(BLOCK_V, STATE_DTYPE), SM)
+const KernelSpec<RecurrencePoolArgs> kRecurrenceFp32PoolSpecs[] = {
+#include "kernels_specs.inc"
+    JAX_KDA_SENTINEL};
+#undef JAX_KDA_RECURRENCE_FP32_POOL
+#define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM)
+
 #undef JAX_KDA_PREPARE_OVERLAP
 // The overlapped call's prepare takes the largest shared-memory split of an SM: the recurrence
 // CTAs launched behind it need room beside its CTAs (the driver's own choice for prepare left
@@ -228,6 +241,7 @@ const KernelSpec<RecurrenceOverlapArgs> kRecurrenceOverlapSpecs[] = {
 #undef JAX_KDA_DECODE
 #undef JAX_KDA_PREPARE_FP32
 #undef JAX_KDA_RECURRENCE_FP32
+#undef JAX_KDA_RECURRENCE_FP32_POOL
 #undef JAX_KDA_PREPARE_OVERLAP
 #undef JAX_KDA_RECURRENCE_OVERLAP
 
@@ -251,6 +265,9 @@ std::span<const KernelSpec<PrepareArgs>> PrepareFp32Specs() {
 }
 std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs() {
   return WithoutSentinel(kRecurrenceFp32Specs);
+}
+std::span<const KernelSpec<RecurrencePoolArgs>> RecurrenceFp32PoolSpecs() {
+  return WithoutSentinel(kRecurrenceFp32PoolSpecs);
 }
 std::span<const KernelSpec<PrepareOverlapArgs>> PrepareOverlapSpecs() {
   return WithoutSentinel(kPrepareOverlapSpecs);

@@ -69,6 +69,8 @@ std::span<const KernelSpec<DecodeArgs>> DecodeSpecs();
 // The fp32 numerics mode's prefill kernels: the same operands (23,040-byte records, f32 states).
 std::span<const KernelSpec<PrepareArgs>> PrepareFp32Specs();
 std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs();
+// ... and its state-pool recurrence: the operands of RecurrencePoolSpecs' kernels.
+std::span<const KernelSpec<RecurrencePoolArgs>> RecurrenceFp32PoolSpecs();
 // The overlapped prefill (prepare and the column-split recurrence of the flashkda mode).
 std::span<const KernelSpec<PrepareOverlapArgs>> PrepareOverlapSpecs();
 std::span<const KernelSpec<RecurrenceOverlapArgs>> RecurrenceOverlapSpecs();

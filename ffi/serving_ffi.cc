@@ -2,6 +2,8 @@
 //   jax_kda_recurrence_pool_v1  v, beta, workspace, cu_seqlens, state_indices,
 //                               checkpoint_offsets, pool, checkpoints -> out, pool, checkpoints
 //                               (pool and checkpoints aliased: updated in place)
+//   jax_kda_recurrence_fp32_pool_v1  the same operands in the fp32 numerics mode (23,040-byte
+//                               records; the state kept in f32 between the pool's reads/writes)
 //   jax_kda_decode_v1           q, k, v, g, beta, A_log, dt_bias, state_indices, pool
 //                               -> out, pool (aliased), states
 // Pools and checkpoints are bf16 or f32: the buffer's dtype picks the specialisation. Stages as
@@ -46,24 +48,42 @@ std::string PoolText(int variant) {
   return "block_v=" + std::to_string(variant / 2) + ", " + DtypeText(variant % 2) + " pool";
 }
 
-std::string CheckPoolAttrs(int32_t block_v, int32_t checkpoint_chunks) {
+// The two modes' pool recurrences: the same operands, their own kernels and record size.
+struct FlashKdaPool {
+  static constexpr const char* kCall = "recurrence_pool";
+  static constexpr int64_t kRecord = kRecordBytes;
+  static std::span<const KernelSpec<RecurrencePoolArgs>> Specs() { return RecurrencePoolSpecs(); }
+};
+struct Fp32Pool {
+  static constexpr const char* kCall = "recurrence_fp32_pool";
+  static constexpr int64_t kRecord = kFp32RecordBytes;
+  static std::span<const KernelSpec<RecurrencePoolArgs>> Specs() {
+    return RecurrenceFp32PoolSpecs();
+  }
+};
+
+std::string CheckPoolAttrs(const char* call, int32_t block_v, int32_t checkpoint_chunks) {
   if (!OneOf(block_v, kColumnSplits)) {
-    return "recurrence_pool: attribute block_v must be a column split, got " +
+    return std::string(call) + ": attribute block_v must be a column split, got " +
            std::to_string(block_v);
   }
-  if (checkpoint_chunks < 0) return "recurrence_pool: attribute checkpoint_chunks must be >= 0";
+  if (checkpoint_chunks < 0) {
+    return std::string(call) + ": attribute checkpoint_chunks must be >= 0";
+  }
   return {};
 }
 
-ffi::Error RecurrencePoolInstantiate(int32_t block_v, int32_t checkpoint_chunks) {
-  JAX_KDA_RETURN_IF(CheckPoolAttrs(block_v, checkpoint_chunks));
+template <typename Mode>
+ffi::Error PoolInstantiate(int32_t block_v, int32_t checkpoint_chunks) {
+  JAX_KDA_RETURN_IF(CheckPoolAttrs(Mode::kCall, block_v, checkpoint_chunks));
   std::string e = LoadOnActiveDevices(
-      RecurrencePoolSpecs(), {PoolVariant(block_v, kStateBf16), PoolVariant(block_v, kStateF32)});
+      Mode::Specs(), {PoolVariant(block_v, kStateBf16), PoolVariant(block_v, kStateF32)});
   if (!e.empty()) return Internal(e);
   return ffi::Error::Success();
 }
 
-ffi::Error RecurrencePoolRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
+template <typename Mode>
+ffi::Error PoolRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
                              ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::U8> workspace,
                              ffi::Buffer<ffi::S32> cu_seqlens,
                              ffi::Buffer<ffi::S32> state_indices,
@@ -72,16 +92,18 @@ ffi::Error RecurrencePoolRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi:
                              ffi::Result<ffi::AnyBuffer> pool_out,
                              ffi::Result<ffi::AnyBuffer> checkpoints_out, int32_t block_v,
                              int32_t checkpoint_chunks) {
-  const char* call = "recurrence_pool";
-  JAX_KDA_RETURN_IF(CheckPoolAttrs(block_v, checkpoint_chunks));
+  const char* call = Mode::kCall;
+  JAX_KDA_RETURN_IF(CheckPoolAttrs(call, block_v, checkpoint_chunks));
   int dtype = 0, ckpt_dtype = 0;
   JAX_KDA_RETURN_IF(StateDtype(call, "pool", pool.element_type(), &dtype));
   JAX_KDA_RETURN_IF(StateDtype(call, "checkpoints", checkpoints.element_type(), &ckpt_dtype));
-  if (ckpt_dtype != dtype) return Internal("recurrence_pool: checkpoints and pool differ in dtype");
+  if (ckpt_dtype != dtype) {
+    return Internal(std::string(call) + ": checkpoints and pool differ in dtype");
+  }
   const int variant = PoolVariant(block_v, dtype);
   const KernelSpec<RecurrencePoolArgs>* spec = nullptr;
   if (!execute) {
-    std::string e = Resolve(RecurrencePoolSpecs(), "recurrence_pool", PoolText, variant, stream,
+    std::string e = Resolve(Mode::Specs(), call, PoolText, variant, stream,
                             /*in_execute=*/false, &spec);
     return e.empty() ? ffi::Error::Success() : Internal(e);
   }
@@ -90,14 +112,15 @@ ffi::Error RecurrencePoolRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi:
   JAX_KDA_RETURN_IF(CheckProblem(call, v.dimensions(), cu_seqlens.dimensions(), &t, &h, &n));
   const int64_t s = NumSlots(t, n);
   if (pool.dimensions().size() != 4 || checkpoints.dimensions().size() != 4) {
-    return ffi::Error::InvalidArgument("jax_kda: recurrence_pool: pool and checkpoints are 4-D");
+    return ffi::Error::InvalidArgument(std::string("jax_kda: ") + call +
+                                       ": pool and checkpoints are 4-D");
   }
   const int64_t p = pool.dimensions()[0], c = checkpoints.dimensions()[0];
   RecurrencePoolArgs a;
   JAX_KDA_RETURN_IF(CheckOperand(call, "v", v, {t, h, kHeadDim}, 2, &a.v));
   JAX_KDA_RETURN_IF(CheckOperand(call, "beta", beta, {t, h}, 2, &a.beta));
   JAX_KDA_RETURN_IF(
-      CheckOperand(call, "workspace", workspace, {h, s, kRecordBytes}, 2, &a.workspace));
+      CheckOperand(call, "workspace", workspace, {h, s, Mode::kRecord}, 2, &a.workspace));
   JAX_KDA_RETURN_IF(CheckOperand(call, "cu_seqlens", cu_seqlens, {n + 1}, 1, &a.cu_seqlens));
   JAX_KDA_RETURN_IF(
       CheckOperand(call, "state_indices", state_indices, {n}, 1, &a.state_indices));
@@ -117,7 +140,7 @@ ffi::Error RecurrencePoolRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi:
   if (h == 0) return ffi::Error::Success();  // empty grid: nothing to write
   a.checkpoint_chunks = checkpoint_chunks;
   a.stream = stream;
-  std::string e = Resolve(RecurrencePoolSpecs(), "recurrence_pool", PoolText, variant, stream,
+  std::string e = Resolve(Mode::Specs(), call, PoolText, variant, stream,
                           /*in_execute=*/true, &spec);
   if (e.empty()) e = spec->launch(a);
   if (!e.empty()) return Internal(e);
@@ -134,11 +157,23 @@ ffi::Error RecurrencePoolRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi:
   stream, v, beta, workspace, cu, indices, offsets, pool, checkpoints, out, pool_out,         \
       checkpoints_out, block_v, checkpoint_chunks
 
+ffi::Error RecurrencePoolInstantiate(int32_t block_v, int32_t checkpoint_chunks) {
+  return PoolInstantiate<FlashKdaPool>(block_v, checkpoint_chunks);
+}
 ffi::Error RecurrencePoolInitialize(JAX_KDA_POOL_PARAMS) {
-  return RecurrencePoolRun(false, JAX_KDA_POOL_ARGS);
+  return PoolRun<FlashKdaPool>(false, JAX_KDA_POOL_ARGS);
 }
 ffi::Error RecurrencePoolExecute(JAX_KDA_POOL_PARAMS) {
-  return RecurrencePoolRun(true, JAX_KDA_POOL_ARGS);
+  return PoolRun<FlashKdaPool>(true, JAX_KDA_POOL_ARGS);
+}
+ffi::Error RecurrenceFp32PoolInstantiate(int32_t block_v, int32_t checkpoint_chunks) {
+  return PoolInstantiate<Fp32Pool>(block_v, checkpoint_chunks);
+}
+ffi::Error RecurrenceFp32PoolInitialize(JAX_KDA_POOL_PARAMS) {
+  return PoolRun<Fp32Pool>(false, JAX_KDA_POOL_ARGS);
+}
+ffi::Error RecurrenceFp32PoolExecute(JAX_KDA_POOL_PARAMS) {
+  return PoolRun<Fp32Pool>(true, JAX_KDA_POOL_ARGS);
 }
 
 template <ffi::ExecutionStage stage>
@@ -163,6 +198,13 @@ auto RecurrencePoolBinding() {
 auto RecurrencePoolInstantiateBinding() {
   return ffi::Ffi::BindInstantiate().Attr<int32_t>("block_v").Attr<int32_t>("checkpoint_chunks");
 }
+
+// The fp32 pool recurrence binds the same operands and attributes.
+template <ffi::ExecutionStage stage>
+auto RecurrenceFp32PoolBinding() {
+  return RecurrencePoolBinding<stage>();
+}
+auto RecurrenceFp32PoolInstantiateBinding() { return RecurrencePoolInstantiateBinding(); }
 
 // ---------------------------------------------------------------------------------------------
 // decode
@@ -307,4 +349,5 @@ auto DecodeInstantiateBinding() {
 }  // namespace jax_kda
 
 JAX_KDA_HANDLERS(JaxKdaRecurrencePoolV1, RecurrencePool)
+JAX_KDA_HANDLERS(JaxKdaRecurrenceFp32PoolV1, RecurrenceFp32Pool)
 JAX_KDA_HANDLERS(JaxKdaDecodeV1, Decode)

@@ -235,11 +235,6 @@ def check_prefill(
                 f"saved states), got {checkpoint_every!r}"
             )
         checkpoint_every = int(checkpoint_every)
-        if numerics == "fp32":
-            raise ValueError(
-                f"{fn}: checkpoint_every is available with numerics='flashkda' only (the fp32 "
-                "mode has no checkpointing recurrence); leave it None"
-            )
     return Problem(B, T, H, N, varlen, state_dtype, scale, lower_bound, pool_rows,
                    checkpoint_every, checkpoint_capacity(B, T, varlen, checkpoint_every), numerics)
 

@@ -35,6 +35,7 @@ _HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
     contract.DECODE_TARGET: "JaxKdaDecodeV1",
     contract.PREPARE_FP32_TARGET: "JaxKdaPrepareFp32V1",
     contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
+    contract.RECURRENCE_FP32_POOL_TARGET: "JaxKdaRecurrenceFp32PoolV1",
     contract.PREFILL_OVERLAP_TARGET: "JaxKdaPrefillOverlapV1",
 }
 _HANDLER_SYMBOLS = {
@@ -298,15 +299,22 @@ def _check_pool(pool, state_indices, num_seqs: int, heads: int) -> None:
     _expect("state_indices", state_indices, jnp.int32, (num_seqs,))
 
 
+_POOL_TARGETS = {"flashkda": contract.RECURRENCE_POOL_TARGET,
+                 "fp32": contract.RECURRENCE_FP32_POOL_TARGET}
+
+
 def recurrence_pool_call(v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool,
-                         checkpoints, *, launch: RecurrenceLaunch, checkpoint_every):
+                         checkpoints, *, launch: RecurrenceLaunch, checkpoint_every,
+                         numerics="flashkda"):
     """The chunk recurrence on a state pool (docs/kernel_abi.md): sequence n starts from
     pool[state_indices[n]] and writes its final state there (in place: the pool operand is
     aliased to the pool result); padding slots (index < 0 or >= P) are neither read nor
     written and get zero outputs. With checkpoint_every (tokens, a multiple of 16) the states
     after every that many tokens strictly before each sequence's end go to the rows
     checkpoint_offsets[n] + j of `checkpoints` (aliased too: rows nothing writes keep their
-    values). Returns (out bf16 [T_total, H, 128], pool, checkpoints)."""
+    values). numerics="fp32": the fp32 mode's kernel (its 23,040-byte records; the state stays
+    f32 between reading and writing the pool). Returns (out bf16 [T_total, H, 128], pool,
+    checkpoints)."""
     if v.ndim != 3:
         raise ValueError(f"v: expected [T_total, H, 128], got shape {tuple(v.shape)}")
     if launch.kernel != "column_split":
@@ -317,7 +325,7 @@ def recurrence_pool_call(v, beta, workspace, cu_seqlens, state_indices, checkpoi
     _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
     _expect("beta", beta, jnp.bfloat16, (total, heads))
     _expect("workspace", workspace, jnp.uint8,
-            (heads, contract.workspace_slots(total, num_seqs), contract.RECORD_BYTES))
+            (heads, contract.workspace_slots(total, num_seqs), contract.record_bytes(numerics)))
     _expect("cu_seqlens", cu_seqlens, jnp.int32, (num_seqs + 1,))
     _expect("checkpoint_offsets", checkpoint_offsets, jnp.int32, (num_seqs + 1,))
     _check_pool(pool, state_indices, num_seqs, heads)
@@ -330,8 +338,7 @@ def recurrence_pool_call(v, beta, workspace, cu_seqlens, state_indices, checkpoi
         jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         jax.ShapeDtypeStruct(checkpoints.shape, checkpoints.dtype),
     )
-    call = jax.ffi.ffi_call(contract.RECURRENCE_POOL_TARGET, results,
-                            input_output_aliases={6: 1, 7: 2})
+    call = jax.ffi.ffi_call(_POOL_TARGETS[numerics], results, input_output_aliases={6: 1, 7: 2})
     return call(v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool,
                 checkpoints, block_v=np.int32(block_v), checkpoint_chunks=np.int32(chunks))
 

@@ -106,11 +106,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
         return vary_like(out, v), vary_like(final, v), None
     workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem,
                                   inverse=options.inverse)
-    if problem.numerics == "fp32" and problem.pool_rows is not None:
-        return _fp32_on_rows(
-            functools.partial(plain_recurrence, v, beta, workspace, cu, problem=problem,
-                              launch=launch),
-            v, cu, state, state_indices, problem=problem)
     if plain:
         out, final = plain_recurrence(v, beta, workspace, cu, state, problem=problem,
                                       launch=launch)
@@ -129,17 +124,17 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     ckpts = jnp.zeros((problem.checkpoint_capacity, H, HEAD_DIM, HEAD_DIM), pool.dtype)
     out, pool, ckpts = _ffi.recurrence_pool_call(
         _flat(v), _flat(beta), workspace, cu, state_indices, ckpt_offsets, pool, ckpts,
-        launch=launch, checkpoint_every=problem.checkpoint_every,
+        launch=launch, checkpoint_every=problem.checkpoint_every, numerics=problem.numerics,
     )
     ckpts = None if problem.checkpoint_every is None else vary_like(ckpts, v)
     return vary_like(out.reshape(q.shape), v), vary_like(pool, v), ckpts
 
 
 def _fp32_on_rows(run, v, cu, state, state_indices, *, problem: Problem):
-    """run(initial states [N, ...]) -> (out, final states) in the fp32 mode, on a state pool or
-    per-sequence states. A pool's rows are gathered and scattered back (XLA updates a donated
-    pool in place); padding slots read zeros, write nothing and get zero outputs, as the pool
-    kernels do."""
+    """run(initial states [N, ...]) -> (out, final states) in the fp32 mode's sequence-parallel
+    path, on a state pool or per-sequence states. A pool's rows are gathered and scattered back
+    (XLA updates a donated pool in place); padding slots read zeros, write nothing and get zero
+    outputs, as the pool kernels do."""
     if problem.pool_rows is None:
         out, final = run(state)
         return vary_like(out, v), vary_like(final, v), None
@@ -191,8 +186,8 @@ def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: D
 
 def _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
                  problem: DecodeProblem):
-    """kda_decode in the fp32 mode: kda_prefill's fp32 kernels on the N x t tokens, on the
-    gathered pool rows (the result scattered back); no fused kernel exists for this mode."""
+    """kda_decode in the fp32 mode: kda_prefill's fp32 kernels on the N x t tokens (the pool
+    recurrence reads and writes the pool rows in place); no fused kernel exists for this mode."""
     if problem.intermediate_states:
         return _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices,
                                      problem=problem)

@@ -22,10 +22,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     """(out, final state or updated pool, checkpoints or None), as the kernel path returns."""
     pooled = state_indices is not None
     state0 = _state_pool.gather(state, state_indices) if pooled else state
-    if problem.numerics == "fp32":  # no checkpoints in this mode (_checks)
-        out, final = _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu, problem=problem,
-                                   inverse=inverse)
-        ckpts = []
+    if problem.numerics == "fp32":
+        out, final, *ckpts = _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu,
+                                           ckpt_offsets, problem=problem, inverse=inverse)
     else:
         out, final, *ckpts = reference.kda_prefill_reference(
             q, k, v, g, beta, A_log, dt_bias, scale=problem.scale,
@@ -46,13 +45,18 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     return out, _state_pool.scatter(state, state_indices, final), ckpts
 
 
-def _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu, *, problem: Problem,
-                  inverse: str):
+def _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu, ckpt_offsets, *,
+                  problem: Problem, inverse: str):
     """The fp32 reference, serial or cut into pieces as the kernel path cuts them (the same
-    plan for "auto", with the visible GPU's SM count or the H200's)."""
+    plan for "auto", with the visible GPU's SM count or the H200's): (out, final state), plus
+    the checkpoints with checkpoint_every (always serial)."""
     run = functools.partial(reference_fp32.kda_prefill_reference_fp32, scale=problem.scale,
                             lower_bound=problem.lower_bound, inverse=inverse)
     length = _sequence_parallel.resolved_length(problem)
+    if problem.checkpoint_every is not None:
+        return run(q, k, v, g, beta, A_log, dt_bias, initial_state=state0, cu_seqlens=cu,
+                   checkpoint_every=problem.checkpoint_every, checkpoint_offsets=ckpt_offsets,
+                   checkpoint_rows=problem.checkpoint_capacity)
     if length is None:
         return run(q, k, v, g, beta, A_log, dt_bias, initial_state=state0, cu_seqlens=cu)
     B, T = problem.batch, problem.seqlen

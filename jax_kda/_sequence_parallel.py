@@ -55,6 +55,10 @@ def check(value, *, numerics: str, checkpoint_every) -> int | str:
         raise ValueError("kda_prefill: sequence_parallel segments need numerics='fp32' (its "
                          "rounding differs from the serial kernels, so the bitwise FlashKDA "
                          "mode has none)")
+    if value > 1 and checkpoint_every is not None:
+        raise ValueError("kda_prefill: sequence_parallel segments and checkpoint_every exclude "
+                         "each other (a checkpoint is the serial recurrence's state, bitwise); "
+                         "pass sequence_parallel='off' or 'auto' with checkpoints")
     return int(value)
 
 

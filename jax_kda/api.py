@@ -79,7 +79,7 @@ def kda_prefill(
         jit and are treated as padding.
       checkpoint_every: None, or a positive multiple n of 16: also return each sequence's states
         after n, 2n, ... tokens strictly before its end (jax_kda.checkpoints says where each is).
-        numerics="flashkda" only.
+        Not with sequence_parallel segments.
       numerics: "flashkda" (default): FlashKDA's bf16 arithmetic, bit for bit (bf16 workspace,
         bf16 state rounded after every chunk). "fp32": the same bf16 inputs and outputs with
         everything between them at close to f32 precision (f32 state for the whole sequence,

@@ -108,11 +108,14 @@ DECODE_TARGET = "jax_kda_decode_v1"  # prepare + one chunk for t <= 16 tokens on
 # The fp32 numerics mode's prepare (23,040-byte records) and column-split recurrence (f32 states).
 PREPARE_FP32_TARGET = "jax_kda_prepare_fp32_v1"
 RECURRENCE_FP32_TARGET = "jax_kda_recurrence_fp32_v1"
+# ... and its recurrence on a state pool: RECURRENCE_POOL_TARGET's operands with fp32 records.
+RECURRENCE_FP32_POOL_TARGET = "jax_kda_recurrence_fp32_pool_v1"
 # Prepare and the column-split recurrence in one call, the recurrence running while prepare
 # writes the workspace (ready counters between them).
 PREFILL_OVERLAP_TARGET = "jax_kda_prefill_overlap_v1"
 CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET,
-                       PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, PREFILL_OVERLAP_TARGET)
+                       PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, RECURRENCE_FP32_POOL_TARGET,
+                       PREFILL_OVERLAP_TARGET)
 # CuTe DSL target -> (major, minor) compute capability it runs on. The "a" targets are not
 # forward compatible: sm_90a runs on 9.0 only, sm_100a on 10.0 only.
 ARCHS = {"sm_90a": (9, 0), "sm_100a": (10, 0)}

@@ -417,14 +417,20 @@ def recurrence_reference(ws: ChunkWorkspace, v, beta, initial_state, checkpoint_
     def step(state, x):
         return _chunk_step(state, *x)
 
-    state0 = _store_bf16(initial_state)
+    return scan_chunks(step, _store_bf16(initial_state), xs, v.shape[-3], checkpoint_chunks)
+
+
+def scan_chunks(step, state0, xs, num_chunks, checkpoint_chunks=None):
+    """lax.scan of step(state, x) -> (state, out) over the chunk axis (axis 0 of every leaf of xs)
+    -> (out [..., C, 16, 128], final state), and with checkpoint_chunks = n also the states after
+    chunks n, 2n, ... ([..., C // n, 128, 128]); shared by both numerics modes' references."""
     if checkpoint_chunks is None:
         final_state, outs = lax.scan(step, state0, xs)
         return jnp.moveaxis(outs, 0, -3), final_state
 
     # Groups of n chunks, recording the state after each group, then the chunks left over.
     n = checkpoint_chunks
-    groups = v.shape[-3] // n
+    groups = num_chunks // n
     head = jax.tree.map(lambda x: x[:groups * n].reshape((groups, n) + x.shape[1:]), xs)
     tail = jax.tree.map(lambda x: x[groups * n:], xs)
 
@@ -457,7 +463,7 @@ def _prefill_chunked(q, k, v, g, beta, valid, A_log, dt_bias, state0, *, scale, 
     return recurrence_reference(ws, v, beta, state0, checkpoint_chunks)
 
 
-def _pack_checkpoints(states, lengths, checkpoint_every, capacity, offsets=None):
+def pack_checkpoints(states, lengths, checkpoint_every, capacity, offsets=None):
     """states bf16 [N, H, K, 128, 128] after every checkpoint_every tokens of each sequence ->
     the packed checkpoint array [capacity, H, 128, 128] (jax_kda.checkpoints), zeros elsewhere.
     offsets: int32 [N+1] rows of each sequence's first checkpoint (default: packed in order)."""
@@ -523,7 +529,7 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
     out, lengths, final_state, *states = chunked_prefill(run_chunks, q, k, v, g, beta, cu_seqlens)
     if checkpoint_every is None:
         return out, final_state
-    return out, final_state, _pack_checkpoints(states[0], lengths, checkpoint_every, capacity,
+    return out, final_state, pack_checkpoints(states[0], lengths, checkpoint_every, capacity,
                                                checkpoint_offsets)
 
 

@@ -44,6 +44,7 @@ from jax import lax
 
 from . import reference as ref
 from ._manual_axes import vary_like
+from .checkpoints import checkpoint_capacity
 from .contract import CHUNK, HEAD_DIM
 
 _F32_MIN_NORMAL = np.float32(2.0**-126)
@@ -272,15 +273,17 @@ def _chunk_step(state, ws: Fp32Workspace, v, beta):
     return new_state, out
 
 
-def recurrence_reference_fp32(ws: Fp32Workspace, v, beta, initial_state):
+def recurrence_reference_fp32(ws: Fp32Workspace, v, beta, initial_state, checkpoint_chunks=None):
     """Kernel 2 in fp32 mode: the chunk recurrence, serial over the chunk axis, state f32 throughout.
 
     Args:
       ws: Fp32Workspace with leading axes [..., C] (C chunks, in order).
       v: bf16 [..., C, 16, 128] (zero on rows past the sequence end). beta: bf16 [..., C, 16] logits.
       initial_state: [..., 128, 128] V-major (state[..., v, k]), bf16 (widened) or f32 (read as is).
+      checkpoint_chunks: None, or n: also return the state after every n chunks.
     Returns:
-      out bf16 [..., C, 16, 128] and the final state f32 [..., 128, 128].
+      out bf16 [..., C, 16, 128] and the final state f32 [..., 128, 128]; with checkpoint_chunks
+      also the states after chunks n, 2n, ... (f32 [..., C // n, 128, 128]).
     """
     def chunks_first(field):  # matrices are [..., C, rows, cols], gt is [..., C, 128]
         if isinstance(field, HiLo):
@@ -293,15 +296,16 @@ def recurrence_reference_fp32(ws: Fp32Workspace, v, beta, initial_state):
     def step(state, x):
         return _chunk_step(state, *x)
 
-    final_state, outs = lax.scan(step, _f32(initial_state), xs)
-    return jnp.moveaxis(outs, 0, -3), final_state
+    return ref.scan_chunks(step, _f32(initial_state), xs, v.shape[-3], checkpoint_chunks)
 
 
 # ----------------------------------------------------------------------------- whole prefill
 
 
 def kda_prefill_reference_fp32(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound,
-                               initial_state=None, cu_seqlens=None, inverse="stable"):
+                               initial_state=None, cu_seqlens=None, inverse="stable",
+                               checkpoint_every=None, checkpoint_offsets=None,
+                               checkpoint_rows=None):
     """KDA prefill, chunkwise, in fp32 mode (conventions of reference.kda_prefill_reference).
 
     Args:
@@ -313,9 +317,11 @@ def kda_prefill_reference_fp32(q, k, v, g, beta, A_log, dt_bias, *, scale, lower
         be traced, and are clamped as in the bf16 mode.
       inverse: only "stable" (fp32 mode has a single f32 inverse; the argument exists so both modes
         share a signature).
+      checkpoint_every, checkpoint_offsets, checkpoint_rows: as reference.kda_prefill_reference.
     Returns:
       out bf16 [B, T, H, 128] (tokens covered by no sequence are 0) and final_state f32
-      [N, H, 128, 128]. A caller that wants a bf16 final state rounds this once.
+      [N, H, 128, 128]; with checkpoint_every also the checkpoints f32 [capacity, H, 128, 128].
+      A caller that wants bf16 states rounds these once.
     """
     if inverse not in INVERSE_VARIANTS_FP32:
         raise ValueError(f"fp32 numerics support inverse in {INVERSE_VARIANTS_FP32}, got {inverse!r}")
@@ -327,15 +333,25 @@ def kda_prefill_reference_fp32(q, k, v, g, beta, A_log, dt_bias, *, scale, lower
         state0 = vary_like(jnp.zeros((N, H, D, D), jnp.float32), v)
     else:
         state0 = _f32(initial_state)
+    chunks = None if checkpoint_every is None else checkpoint_every // CHUNK
     if T == 0:
-        return jnp.zeros(q.shape, jnp.bfloat16), state0
+        out = jnp.zeros(q.shape, jnp.bfloat16)
+        if checkpoint_every is None:
+            return out, state0
+        return out, state0, jnp.zeros((0, H, D, D), jnp.float32)
     A_log = _f32(A_log)
     dt_bias = _f32(dt_bias)
 
     def run_chunks(q, k, v, g, beta, valid):
         ws = prepare_reference_fp32(q, k, g, beta, A_log[None, :, None], dt_bias[None, :, None, :],
                                     scale=scale, lower_bound=lower_bound, valid=valid)
-        return recurrence_reference_fp32(ws, v, beta, state0)
+        return recurrence_reference_fp32(ws, v, beta, state0, chunks)
 
-    out, _, final_state = ref.chunked_prefill(run_chunks, q, k, v, g, beta, cu_seqlens)
-    return out, final_state
+    out, lengths, final_state, *states = ref.chunked_prefill(run_chunks, q, k, v, g, beta,
+                                                             cu_seqlens)
+    if checkpoint_every is None:
+        return out, final_state
+    capacity = (checkpoint_capacity(B, T, cu_seqlens is not None, checkpoint_every)
+                if checkpoint_rows is None else checkpoint_rows)
+    return out, final_state, ref.pack_checkpoints(states[0], lengths, checkpoint_every, capacity,
+                                                   checkpoint_offsets)

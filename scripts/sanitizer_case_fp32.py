@@ -1,6 +1,7 @@
 """Small fp32-mode KDA calls for compute-sanitizer (memcheck/racecheck): varlen prefill (an empty
 sequence, a partial last chunk) at every column split with an f32 initial state, a state pool
-with padding and out-of-range indices, a decode step."""
+with padding and out-of-range indices (f32 and bf16 pools, with checkpoints at every column
+split: the fp32 pool recurrence), a decode step."""
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,13 @@ pool = jnp.asarray(rng.standard_normal((P, H, 128, 128), dtype=np.float32), jnp.
 out, pool = jax.block_until_ready(jax.jit(lambda a, pool, idx: jax_kda.kda_prefill(
     **a, cu_seqlens=jnp.asarray(cu), initial_state=pool, state_indices=idx,
     output_final_state=True, backend="kernel", numerics="fp32"))(args, pool, idx))
+for dtype in (jnp.float32, jnp.bfloat16):
+    for bv in (16, 32, 64, 128):
+        res = jax.block_until_ready(jax.jit(lambda a, p, idx: jax_kda.kda_prefill(
+            **a, cu_seqlens=jnp.asarray(cu), initial_state=p, state_indices=idx,
+            output_final_state=True, checkpoint_every=16, backend="kernel", column_split=bv,
+            numerics="fp32"))(args, pool.astype(dtype), idx))
+print("fp32 sanitizer pool + checkpoints case ran", res[2].shape)
 step = {name: x[:, :12].reshape((4, 3) + x.shape[2:]) for name, x in args.items()
         if name in ("q", "k", "v", "g", "beta")}
 result = jax.block_until_ready(jax.jit(lambda s, pool, idx: jax_kda.kda_decode(

@@ -47,16 +47,25 @@ def test_fp32_mode_kernels_have_their_own_tables(tmp_path):
     fp32 = [s for s in chosen if s.kernel.endswith("_fp32")]
     assert sorted(s.prefix for s in fp32) == sorted(
         ["jax_kda_prepare_fp32_sm90a"]
-        + [f"jax_kda_recurrence_fp32_bv{bv}_sm90a" for bv in contract.COLUMN_SPLITS])
-    assert {s.call for s in fp32} == {"prepare_fp32", "recurrence_fp32"}
+        + [f"jax_kda_recurrence_fp32_bv{bv}_sm90a" for bv in contract.COLUMN_SPLITS]
+        + [f"jax_kda_recurrence_fp32_pool_{dt}_bv{bv}_sm90a" for bv in contract.COLUMN_SPLITS
+           for dt in contract.STATE_DTYPE_IDS])
+    assert {s.call for s in fp32} == {"prepare_fp32", "recurrence_fp32", "recurrence_fp32_pool"}
+    pool = [s for s in fp32 if s.call == "recurrence_fp32_pool"]
+    assert all(s.options == {"block_v": s.variant, "state_dtype": s.state_dtype, "serving": True}
+               for s in pool)
     build._write_spec_lists(tmp_path, chosen)
     lines = (tmp_path / "kernels_specs.inc").read_text().splitlines()
     # the prepare's inverse attribute is the stable id; recurrences are keyed by block_v
     assert (f"JAX_KDA_PREPARE_FP32(jax_kda_prepare_fp32_sm90a, {contract.INVERSE_IDS['stable']}, 90)"
             in lines)
     assert "JAX_KDA_RECURRENCE_FP32(jax_kda_recurrence_fp32_bv64_sm90a, 64, 90)" in lines
+    f32_id = contract.STATE_DTYPE_IDS["f32"]
+    assert (f"JAX_KDA_RECURRENCE_FP32_POOL(jax_kda_recurrence_fp32_pool_f32_bv16_sm90a, 16, "
+            f"{f32_id}, 90)") in lines
     # and not in the flashkda tables
-    assert not any(line.startswith(("JAX_KDA_PREPARE(", "JAX_KDA_RECURRENCE("))
+    assert not any(line.startswith(("JAX_KDA_PREPARE(", "JAX_KDA_RECURRENCE(",
+                                    "JAX_KDA_RECURRENCE_POOL("))
                    and "fp32" in line for line in lines)
 
 

@@ -17,6 +17,7 @@ jax_kda_recurrence_pool_v1, the plain recurrence jax_kda_recurrence_v1) must mee
    slots' outputs are zero; the results equal those of the same call with -1 for those slots.
 4. In place: with the pool donated, the compiled HLO copies no pool, the result is the donated
    buffer, and the results equal the non-donated call's.
+   Sections 2-4 run in both numerics modes (fp32: jax_kda_recurrence_fp32_pool_v1).
 5. CUDA graphs (command buffers) give the same bits as plain launches.
 6. vmap of kda_decode / pool prefill == a loop, bitwise (one folded kernel call).
 7. Chained decode steps of 16 tokens == one prefill, bitwise; token-by-token decoding reaches the
@@ -56,6 +57,9 @@ DATA = ("q", "k", "v", "g", "beta")
 COLUMN_SPLITS = contract.COLUMN_SPLITS
 DECODE_TARGET = "jax_kda_decode_v1"
 POOL_TARGET = "jax_kda_recurrence_pool_v1"
+# the pool tests of sections 2-4 run in both numerics modes, each on its own pool recurrence
+NUMERICS = ["flashkda", "fp32"]
+POOL_TARGETS = {"flashkda": POOL_TARGET, "fp32": "jax_kda_recurrence_fp32_pool_v1"}
 # kernel vs reference (tests/test_gpu_numerics.py, docs/numerics.md section 8)
 REFERENCE_RMSE, REFERENCE_BIT_EQUAL = 2.5e-3, 0.5
 # token-by-token decode vs chunked prefill over 64 tokens (measured on the CPU reference,
@@ -150,12 +154,14 @@ def decode_fn(backend, inverse="stable", intermediate=True, pooled=True):
 
 
 @functools.cache
-def prefill_fn(backend, inverse="stable", checkpoint_every=None, column_split=None):
+def prefill_fn(backend, inverse="stable", checkpoint_every=None, column_split=None,
+               numerics="flashkda"):
     """(x, state or None, cu_seqlens or None, state_indices or None) -> kda_prefill's results."""
     def run(x, state, cu, idx):
         return jax_kda.kda_prefill(**x, initial_state=state, cu_seqlens=cu, state_indices=idx,
                                    output_final_state=True, checkpoint_every=checkpoint_every,
-                                   inverse=inverse, column_split=column_split, backend=backend)
+                                   inverse=inverse, column_split=column_split, backend=backend,
+                                   numerics=numerics)
 
     return jax.jit(run)
 
@@ -188,14 +194,15 @@ def sequence_tokens(x, cu, s, length):
     return {name: x[name][0, cu[s]:cu[s] + length] for name in DATA}
 
 
-def prefix_final_states(x, cu, segments, states, inverse="stable"):
+def prefix_final_states(x, cu, segments, states, inverse="stable", numerics="flashkda"):
     """The backend's kda_prefill final state of each (sequence, token count) in `segments`, from
     states[i]: one packed plain prefill (a packed sequence is bitwise the sequence alone)."""
     parts = [sequence_tokens(x, cu, s, length) for s, length in segments]
     packed = {name: jnp.concatenate([p[name] for p in parts])[None] for name in DATA}
     packed.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
     bounds = np.concatenate([[0], np.cumsum([length for _, length in segments])]).astype(np.int32)
-    _, final = prefill_fn(BACKEND, inverse)(packed, states, jnp.asarray(bounds), None)
+    _, final = prefill_fn(BACKEND, inverse, numerics=numerics)(packed, states,
+                                                               jnp.asarray(bounds), None)
     return final
 
 
@@ -290,9 +297,11 @@ POOL_CASES = {
 }
 
 
+@pytest.mark.parametrize("numerics", NUMERICS)
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("layout", list(POOL_CASES))
-def test_pool_prefill_equals_gather_prefill_scatter_for_every_column_split(rng, layout, dtype):
+def test_pool_prefill_equals_gather_prefill_scatter_for_every_column_split(rng, layout, dtype,
+                                                                           numerics):
     B, T, cu, H, P, idx, n = POOL_CASES[layout]
     N = B if cu is None else len(cu) - 1
     x = token_inputs(rng, B, T, H)
@@ -300,7 +309,8 @@ def test_pool_prefill_equals_gather_prefill_scatter_for_every_column_split(rng, 
     cu_j = None if cu is None else jnp.asarray(cu, I32)
     idx_j = jnp.asarray(idx, I32)
     rows = gather_rows(rng, pool, idx, dtype, H)
-    out_r, final_r = prefill_fn(BACKEND)(x, rows, cu_j, None)  # plain prefill, per-sequence states
+    mode = {"numerics": numerics}
+    out_r, final_r = prefill_fn(BACKEND, **mode)(x, rows, cu_j, None)  # plain, per-sequence states
     want_pool = scatter_rows(pool, idx, final_r)
     pad = padding_tokens(cu, idx, B, T)
 
@@ -308,7 +318,8 @@ def test_pool_prefill_equals_gather_prefill_scatter_for_every_column_split(rng, 
     offsets = np.asarray(jax_kda.checkpoint_offsets(cu_np, n))
     capacity = B * ((T - 1) // n) if cu is None else T // n
     segments = [(s, (j + 1) * n) for s in range(N) for j in range(offsets[s + 1] - offsets[s])]
-    prefixes = prefix_final_states(x, cu, segments, rows[np.array([s for s, _ in segments])])
+    prefixes = prefix_final_states(x, cu, segments, rows[np.array([s for s, _ in segments])],
+                                   **mode)
 
     def check(results, what):
         out, new_pool, ckpts = results
@@ -326,18 +337,18 @@ def test_pool_prefill_equals_gather_prefill_scatter_for_every_column_split(rng, 
 
     for split in COLUMN_SPLITS:
         dirty_allocator(x["v"], pool, jax.ShapeDtypeStruct((capacity, H, 128, 128), dtype))
-        check(prefill_fn(BACKEND, "stable", n, split)(x, pool, cu_j, idx_j),
-              f"column_split {split}")
+        check(prefill_fn(BACKEND, "stable", n, split, **mode)(x, pool, cu_j, idx_j),
+              f"{numerics}, column_split {split}")
     # checkpoints of per-sequence states (no pool): the pool kernel with identity rows
-    plain = prefill_fn(BACKEND, "stable", n)(x, rows, cu_j, None)
+    plain = prefill_fn(BACKEND, "stable", n, **mode)(x, rows, cu_j, None)
     assert_bits(plain[0], out_r, "per-sequence states with checkpoints: out")
     assert_bits(plain[1], final_r, "per-sequence states with checkpoints: final states")
     for (s, length), prefix in zip(segments, prefixes):
         assert_bits(plain[2][offsets[s] + length // n - 1], prefix,
                     f"per-sequence states: checkpoint at {length} of sequence {s}")
 
-    kernel = prefill_fn(BACKEND, "stable", n)(x, pool, cu_j, idx_j)
-    ref = prefill_fn("reference", "stable", n)(*on_cpu(x, pool, cu_j, idx_j))
+    kernel = prefill_fn(BACKEND, "stable", n, **mode)(x, pool, cu_j, idx_j)
+    ref = prefill_fn("reference", "stable", n, **mode)(*on_cpu(x, pool, cu_j, idx_j))
     written = [i for i in idx if i >= 0]
     ckpt_rows = [offsets[s] + j for s in range(N) if idx[s] >= 0
                  for j in range(offsets[s + 1] - offsets[s])]
@@ -360,9 +371,10 @@ def _bad_indices(idx, rows):
     return [i if i >= 0 else next(bad) for i in idx]
 
 
+@pytest.mark.parametrize("numerics", NUMERICS)
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("layout", list(POOL_CASES))
-def test_guard_rows_survive_pool_prefill(rng, layout, dtype):
+def test_guard_rows_survive_pool_prefill(rng, layout, dtype, numerics):
     B, T, cu, H, P, idx, n = POOL_CASES[layout]
     idx = list(idx)
     if layout == "batched":
@@ -376,7 +388,7 @@ def test_guard_rows_survive_pool_prefill(rng, layout, dtype):
     x = token_inputs(rng, B, T, H)
     pool = random_states(rng, rows, dtype, H)
     cu_j = None if cu is None else jnp.asarray(cu, I32)
-    fn = prefill_fn(BACKEND, "stable", n)
+    fn = prefill_fn(BACKEND, "stable", n, numerics=numerics)
     capacity = B * ((T - 1) // n) if cu is None else T // n
     dirty_allocator(x["v"], pool, jax.ShapeDtypeStruct((capacity, H, 128, 128), dtype))
     got = fn(x, pool, cu_j, jnp.asarray(bad, I32))  # under jit: values unchecked
@@ -473,17 +485,19 @@ def test_decode_updates_a_donated_pool_in_place(rng, dtype):
     _check_in_place(fn, keep, dict(x2, state_indices=idx), "state", got[1], DECODE_TARGET)
 
 
+@pytest.mark.parametrize("numerics", NUMERICS)
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-def test_pool_prefill_updates_a_donated_pool_in_place(rng, dtype):
+def test_pool_prefill_updates_a_donated_pool_in_place(rng, dtype, numerics):
     B, T, cu, H, P, idx, n = POOL_CASES["packed"]
     x = token_inputs(rng, B, T, H)
     pool = random_states(rng, P, dtype, H)
-    options = {"output_final_state": True, "checkpoint_every": n, "backend": BACKEND}
+    options = {"output_final_state": True, "checkpoint_every": n, "backend": BACKEND,
+               "numerics": numerics}
     fn = jax.jit(partial(jax_kda.kda_prefill, **options), donate_argnames="initial_state")
     keep = jax.jit(partial(jax_kda.kda_prefill, **options))
     _check_in_place(fn, keep, dict(x, cu_seqlens=jnp.asarray(cu, I32),
                                    state_indices=jnp.asarray(idx, I32)),
-                    "initial_state", pool, POOL_TARGET)
+                    "initial_state", pool, POOL_TARGETS[numerics])
 
 
 # ------------------------------------------------------------------------------ 5. CUDA graphs

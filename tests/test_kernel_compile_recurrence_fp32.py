@@ -727,3 +727,49 @@ def test_export_to_c_argument_order(tmp_path):
     assert wrapper_arguments(compiled, tmp_path, "test_kda_recurrence_fp32_bv32_sm90a") == [
         "module", "mV", "mBeta", "mWorkspace", "mCuSeqlens", "mState0", "mOut", "mStateT",
         "stream"]
+
+
+POOL_CASES = [(bv, dt, "sm_90a") for bv in contract.COLUMN_SPLITS for dt in ("bf16", "f32")]
+POOL_CASES += [(bv, "f32", "sm_100a") for bv in (16, 128)]
+
+
+@pytest.mark.parametrize("block_v,state_dtype,arch", POOL_CASES)
+def test_pool_variant_compiles_with_the_prefill_chunk_loop(block_v, state_dtype, arch, tmp_path):
+    """KdaRecurrenceFp32Pool: the prefill kernel's MMAs and movmatrix once each in its chunk
+    loop (the loop is emitted once; the checkpoint and pool stores add none), the pool row read
+    and written with the pool's element size, no local memory."""
+    compiled = fp32.compile_kernel(block_v, arch, state_dtype=state_dtype, serving=True,
+                                   dump_dir=str(tmp_path))
+    ptx = compiled.__ptx__
+    _, n_tiles, k_split = fp32.warp_layout(block_v)
+    kt = 8 // k_split
+    assert f".target {arch}" in ptx
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == (
+        (13 * kt + 6) * n_tiles)
+    assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") == (8 * kt + 8) * n_tiles
+    # state elements (4 per k-tile and n-tile): loaded once (pool), stored twice (checkpoint,
+    # pool), 4 / 2 bytes each; besides them the 4-byte stores are the out pairs (2 per n-tile)
+    elems = 4 * kt * n_tiles
+    if state_dtype == "f32":
+        assert ptx.count("st.global.b32") == 2 * elems + 2 * n_tiles
+        assert ptx.count("ld.global.b16") == ptx.count("st.global.b16") == 0
+    else:
+        assert ptx.count("ld.global.b16") == elems and ptx.count("st.global.b16") == 2 * elems
+        assert ptx.count("st.global.b32") == 2 * n_tiles
+    assert ".local" not in ptx
+    cuobjdump = cuda_tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not available: PTX checked, cubin resource usage not checked")
+    res = subprocess.run([cuobjdump, "-res-usage", single_cubin(str(tmp_path))],
+                         capture_output=True, text=True, check=True).stdout
+    assert "LOCAL:0" in res and "STACK:0" in res, res
+    print(f"fp32 pool recurrence bv{block_v} {state_dtype} {arch}: "
+          f"REG {re.search(r'REG:(\d+)', res).group(1)}")
+
+
+def test_pool_variant_export_to_c_argument_order(tmp_path):
+    """The operands of the bf16 mode's pool recurrence (the handler shares their checks)."""
+    compiled = fp32.compile_kernel(16, "sm_90a", state_dtype="f32", serving=True)
+    assert wrapper_arguments(compiled, tmp_path, "test_kda_recurrence_fp32_pool_sm90a") == [
+        "module", "mV", "mBeta", "mWorkspace", "mCuSeqlens", "mStateIndices",
+        "mCheckpointOffsets", "mPool", "mOut", "mCheckpoints", "checkpoint_chunks", "stream"]

@@ -95,7 +95,8 @@ def test_decode_is_prefill_on_the_tokens():
     ({"numerics": None}, "numerics must be one of"),
     ({"numerics": "fp32", "inverse": "neumann"}, "inverse='neumann'"),
     ({"numerics": "fp32", "recurrence": "baseline"}, "recurrence='baseline'"),
-    ({"numerics": "fp32", "checkpoint_every": 16}, "checkpoint_every"),
+    ({"numerics": "fp32", "checkpoint_every": 16, "sequence_parallel": 2},
+     "sequence_parallel segments and checkpoint_every"),
 ])
 def test_bad_combinations_name_the_argument(bad, message):
     a = inputs(np.random.default_rng(0), 1, 16, 1)
@@ -162,7 +163,8 @@ def test_fp32_decode_prefix_packing_of_the_kernel_path(monkeypatch):
     assert not np.asarray(got[2][2]).any() and not np.asarray(got[0][2].astype(jnp.float32)).any()
 
 
-def _lowered_calls(monkeypatch, numerics, state_dtype=jnp.bfloat16, pooled=False):
+def _lowered_calls(monkeypatch, numerics, state_dtype=jnp.bfloat16, pooled=False,
+                   checkpoint_every=None):
     monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)  # lowering needs no library
     B, T, H = 2, 40, 3
     S = jax.ShapeDtypeStruct
@@ -174,7 +176,8 @@ def _lowered_calls(monkeypatch, numerics, state_dtype=jnp.bfloat16, pooled=False
     def f(q, k, v, g, beta, A_log, dt_bias, state):
         return jax_kda.kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
                                    state_indices=idx, output_final_state=True,
-                                   backend="kernel", numerics=numerics)
+                                   checkpoint_every=checkpoint_every, backend="kernel",
+                                   numerics=numerics)
 
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return {m.group(1): line for line in text.splitlines()
@@ -182,9 +185,8 @@ def _lowered_calls(monkeypatch, numerics, state_dtype=jnp.bfloat16, pooled=False
 
 
 @pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("pooled", [False, True])
-def test_fp32_mode_lowers_to_its_own_calls(monkeypatch, state_dtype, pooled):
-    calls = _lowered_calls(monkeypatch, "fp32", state_dtype, pooled)
+def test_fp32_mode_lowers_to_its_own_calls(monkeypatch, state_dtype):
+    calls = _lowered_calls(monkeypatch, "fp32", state_dtype)
     assert set(calls) == {contract.PREPARE_FP32_TARGET, contract.RECURRENCE_FP32_TARGET}
     slots = contract.workspace_slots(80, 2)
     assert f"tensor<3x{slots}x{contract.FP32_RECORD_BYTES}xui8>" in calls[contract.PREPARE_FP32_TARGET]
@@ -192,6 +194,22 @@ def test_fp32_mode_lowers_to_its_own_calls(monkeypatch, state_dtype, pooled):
     assert "tensor<2x3x128x128xf32>" in rec and "bf16" in rec  # f32 states, bf16 v / out
     assert "2x3x128x128xbf16" not in rec
     assert re.search(r"block_v = (16|32|64|128) : i32", rec)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("pooled,checkpoint_every", [(True, None), (False, 16), (True, 32)])
+def test_fp32_pools_and_checkpoints_lower_to_the_fp32_pool_call(monkeypatch, state_dtype, pooled,
+                                                               checkpoint_every):
+    """A pool (updated in place: the pool operand aliases its result) or checkpoints in the fp32
+    mode: the fp32 pool recurrence with the pool's own dtype and the fp32 record."""
+    calls = _lowered_calls(monkeypatch, "fp32", state_dtype, pooled, checkpoint_every)
+    assert set(calls) == {contract.PREPARE_FP32_TARGET, contract.RECURRENCE_FP32_POOL_TARGET}
+    rec = calls[contract.RECURRENCE_FP32_POOL_TARGET]
+    dt = "f32" if state_dtype == jnp.float32 else "bf16"
+    assert f"x{contract.FP32_RECORD_BYTES}xui8>" in rec
+    assert f"tensor<{5 if pooled else 2}x3x128x128x{dt}>" in rec
+    assert f"checkpoint_chunks = {(checkpoint_every or 0) // 16} : i32" in rec
+    assert "output_operand_aliases" in rec
 
 
 def test_default_mode_still_lowers_to_the_flashkda_calls(monkeypatch):
@@ -219,3 +237,37 @@ def test_kernel_path_widens_a_bf16_state_for_the_fp32_recurrence(monkeypatch):
         launch=_launch.RecurrenceLaunch("column_split", 32))
     assert seen["state_dtype"] == jnp.float32 and seen["numerics"] == "fp32"
     assert final.dtype == jnp.bfloat16 and float(final[0, 0, 0, 0]) == 1.5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp32_checkpoints_are_prefix_prefills(dtype):
+    """checkpoint_every in the fp32 mode (reference backend), packed sequences on a pool with a
+    padding slot and an empty sequence: row checkpoint_offsets[s] + j is bitwise the fp32
+    prefill's final state on the first (j + 1) n tokens of sequence s; the padding slot's rows are
+    zero; out and pool as without checkpoints."""
+    rng = np.random.default_rng()
+    cu = np.array([0, 40, 40, 77, 90], np.int32)
+    n, idx = 16, jnp.asarray([2, 0, -1, 3], jnp.int32)
+    a = inputs(rng, 1, int(cu[-1]), 2)
+    pool = jnp.asarray(rng.standard_normal((4, 2, 128, 128)) * 0.1, dtype)
+    kw = {"cu_seqlens": jnp.asarray(cu), "initial_state": pool, "state_indices": idx,
+          "output_final_state": True, "scale": SCALE, "lower_bound": LOWER, "numerics": "fp32"}
+    out, new_pool, ckpts = jax.jit(lambda a: jax_kda.kda_prefill(**a, **kw, checkpoint_every=n))(a)
+    plain_out, plain_pool = jax.jit(lambda a: jax_kda.kda_prefill(**a, **kw))(a)
+    np.testing.assert_array_equal(bits(out), bits(plain_out))
+    np.testing.assert_array_equal(bits(new_pool), bits(plain_pool))
+    offsets = np.asarray(jax_kda.checkpoint_offsets(cu, n))
+    assert ckpts.dtype == dtype and ckpts.shape[0] >= offsets[-1]
+    np.testing.assert_array_equal(offsets, [0, 2, 2, 4, 4])  # 16, 32 of 40 and of 37 tokens
+    for s in range(len(cu) - 1):
+        for j in range(offsets[s + 1] - offsets[s]):
+            row = offsets[s] + j
+            if int(idx[s]) < 0:
+                assert not np.asarray(ckpts[row].astype(jnp.float32)).any()
+                continue
+            part = {k: (x[:, cu[s]:cu[s] + (j + 1) * n] if x.ndim >= 3 else x)
+                    for k, x in a.items()}
+            _, final = jax.jit(lambda p, s0: jax_kda.kda_prefill(
+                **p, initial_state=s0, output_final_state=True, scale=SCALE, lower_bound=LOWER,
+                numerics="fp32"))(part, pool[int(idx[s])][None])
+            np.testing.assert_array_equal(bits(ckpts[row]), bits(final[0]))

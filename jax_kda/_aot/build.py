@@ -59,9 +59,10 @@ def _write_spec_lists(out_dir: pathlib.Path, built: list[specs.Spec]) -> None:
         # Every prefill recurrence kernel (column split and baseline) goes into the recurrence
         # table, keyed by its block_v attribute value (contract.BASELINE_BLOCK_V = baseline); the
         # state-pool kernels carry contract.STATE_DTYPE_IDS of their pool dtype as well.
-        if s.call == "recurrence_pool":
-            lines.append(f"JAX_KDA_RECURRENCE_POOL({s.prefix}, {s.variant}, "
-                         f"{s.state_dtype_id}, {s.sm})")
+        if s.call in ("recurrence_pool", "recurrence_fp32_pool"):
+            macro = {"recurrence_pool": "JAX_KDA_RECURRENCE_POOL",
+                     "recurrence_fp32_pool": "JAX_KDA_RECURRENCE_FP32_POOL"}[s.call]
+            lines.append(f"{macro}({s.prefix}, {s.variant}, {s.state_dtype_id}, {s.sm})")
         elif s.call == "decode":
             lines.append(f"JAX_KDA_DECODE({s.prefix}, {s.variant_id}, {s.state_dtype_id}, "
                          f"{int(s.intermediate)}, {s.sm})")

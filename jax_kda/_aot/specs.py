@@ -38,12 +38,15 @@ class Spec:
     @property
     def call(self) -> str:
         """The custom call that launches it: "prepare", "recurrence", "recurrence_pool",
-        "decode", "prepare_fp32" or "recurrence_fp32" (docs/kernel_abi.md); "prepare_overlap"
+        "decode", "prepare_fp32", "recurrence_fp32" or "recurrence_fp32_pool"
+        (docs/kernel_abi.md); "prepare_overlap"
         and "recurrence_overlap" are the two halves of the "prefill_overlap" call."""
         if self.overlap:
             return f"{self.kernel}_overlap"
         if self.kernel == "recurrence" and self.state_dtype is not None:
             return "recurrence_pool"
+        if self.kernel == "recurrence_fp32" and self.state_dtype is not None:
+            return "recurrence_fp32_pool"
         if self.kernel == "recurrence_baseline":
             return "recurrence"
         return self.kernel
@@ -51,7 +54,7 @@ class Spec:
     @property
     def options(self) -> dict:
         """Keyword arguments of the kernel module's compile_kernel(arch=..., **options)."""
-        if self.call == "recurrence_pool":
+        if self.call in ("recurrence_pool", "recurrence_fp32_pool"):
             return {"block_v": self.variant, "state_dtype": self.state_dtype, "serving": True}
         if self.kernel == "decode":
             return {"inverse": self.variant, "state_dtype": self.state_dtype,
@@ -88,6 +91,8 @@ class Spec:
         arch = self.arch.replace("_", "")
         if self.call == "recurrence_pool":
             return f"jax_kda_recurrence_pool_{self.state_dtype}_bv{self.variant}_{arch}"
+        if self.call == "recurrence_fp32_pool":
+            return f"jax_kda_recurrence_fp32_pool_{self.state_dtype}_bv{self.variant}_{arch}"
         if self.kernel == "decode":
             states = "_states" if self.intermediate else ""
             return f"jax_kda_decode_{self.variant}_{self.state_dtype}{states}_{arch}"
@@ -125,6 +130,8 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
                   for states in (False, True)]
         specs.append(Spec("prepare_fp32", None, arch))
         specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
+        specs += [Spec("recurrence_fp32", bv, arch, state_dtype=dt)
+                  for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]
         specs += [Spec("prepare", inv, arch, overlap=True) for inv in contract.INVERSE_IDS]
         specs += [Spec("recurrence", bv, arch, overlap=True)
                   for bv in contract.OVERLAP_COLUMN_SPLITS]

@@ -138,10 +138,11 @@ def recurrence_args(state_dtype=BFloat16, record_bytes=RECORD_BYTES):
     )
 
 
-def recurrence_pool_args(state_dtype):
-    """Fake arguments of the serving recurrence's host __call__ (KdaRecurrence(serving=True)):
-    v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool, out, checkpoints,
-    checkpoint_chunks, stream (T_total, H, N, S, P, C dynamic)."""
+def recurrence_pool_args(state_dtype, record_bytes=RECORD_BYTES):
+    """Fake arguments of the serving recurrence's host __call__ (KdaRecurrence(serving=True);
+    the fp32 mode's KdaRecurrenceFp32Pool with 23,040-byte records): v, beta, workspace,
+    cu_seqlens, state_indices, checkpoint_offsets, pool, out, checkpoints, checkpoint_chunks,
+    stream (T_total, H, N, S, P, C dynamic)."""
     t_total, heads = symbol("T_total"), symbol("H")
     seqs_plus_1, seqs, slots = symbol("N_plus_1"), symbol("N"), symbol("S")
     rows, ckpts = symbol("P"), symbol("C")
@@ -149,7 +150,7 @@ def recurrence_pool_args(state_dtype):
     return (
         fake_tensor(BFloat16, (t_total, heads, D), 16),  # v
         fake_tensor(BFloat16, (t_total, heads), 2),  # beta
-        fake_tensor(Uint8, (heads, slots, RECORD_BYTES), 16),  # workspace
+        fake_tensor(Uint8, (heads, slots, record_bytes), 16),  # workspace
         fake_tensor(Int32, (seqs_plus_1,), 4),  # cu_seqlens
         fake_tensor(Int32, (seqs,), 4),  # state_indices
         fake_tensor(Int32, (seqs_plus_1,), 4),  # checkpoint_offsets

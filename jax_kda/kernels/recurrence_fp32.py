@@ -102,6 +102,8 @@ The kernel body is assembled from plain trace-time pieces (_prologue, _chunk_ste
 u_to_b_operands, three_term_product, state_tile_update, ...), like recurrence.py's.
 """
 
+import types
+
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
@@ -131,6 +133,7 @@ from .recurrence_common import (
     ldmatrix_krt_offset,
     ldmatrix_small_offset,
     recurrence_fp32_args,
+    recurrence_pool_args,
 )
 
 GRANULES = FP32_RECORD_BYTES // 16  # 16-byte cp.async copies per record
@@ -286,6 +289,135 @@ class KdaRecurrenceFp32:
         _store_state_f32(cta, state, sT_base)
 
 
+class KdaRecurrenceFp32Pool(KdaRecurrenceFp32):
+    """The serving variant: initial and final states in a pool indexed per sequence (bf16 or f32,
+    updated in place), and checkpoints; the operands of the bf16 mode's KdaRecurrencePool
+    (recurrence.py) with 23,040-byte records. The chunk loop is the prefill kernel's
+    (_chunk_step), so out, the final state and every checkpoint are bitwise the prefill's.
+
+    Per CTA, row = state_indices[seq]:
+      - row outside [0, P): a padding slot. No pool, checkpoint or workspace access; the
+        sequence's out rows of this CTA's columns are written as zeros.
+      - otherwise the initial state is pool[row, head] (f32 as it is, bf16 widened exactly)
+        and the final state goes back there (f32, or rounded to bf16 RN: what kda_prefill's
+        fp32 path returns for a bf16 state). Every element is read and written by the lane that
+        holds it (_state_address: eight lanes cover 32 contiguous bytes of a state row for f32),
+        read before the loop and written after it, by this CTA only.
+      - checkpoints: with checkpoint_chunks = n16 > 0 the chunk loop runs in segments of n16
+        chunks; after segment j, if chunks remain and ck = checkpoint_offsets[seq] + j lies in
+        [0, C), the state registers (then the state after chunk (j + 1) n16 - 1: iteration c
+        leaves S(c + 1) in them) go to checkpoints[ck, head] in the pool's dtype. Checkpoint j is
+        bitwise the final state of a prefill on the first (j + 1) * 16 * n16 tokens."""
+
+    def __init__(self, block_v: int = 32, state_dtype: str = "f32", serving: bool = True,
+                 n_tiles: int | None = None, k_split: int | None = None):
+        super().__init__(block_v, n_tiles, k_split)
+        self.state_elem_bytes = {"bf16": 2, "f32": 4}[state_dtype]
+        assert self.num_threads >= CHUNK * block_v // 8, "a padding slot's zeros: one store each"
+
+    @cute.jit
+    def __call__(
+        self,
+        mV: cute.Tensor,  # bf16 [T_total, H, 128]
+        mBeta: cute.Tensor,  # bf16 [T_total, H]
+        mWorkspace: cute.Tensor,  # uint8 [H, S, 23040]
+        mCuSeqlens: cute.Tensor,  # int32 [N + 1]
+        mStateIndices: cute.Tensor,  # int32 [N]: pool row of each sequence (else padding)
+        mCheckpointOffsets: cute.Tensor,  # int32 [N + 1]: first checkpoint row per sequence
+        mPool: cute.Tensor,  # bf16 | f32 [P, H, 128, 128] (row, h, v, k), updated in place
+        mOut: cute.Tensor,  # bf16 [T_total, H, 128]
+        mCheckpoints: cute.Tensor,  # bf16 | f32 [C, H, 128, 128]
+        checkpoint_chunks: Int32,  # checkpoint every this many chunks (<= 0: none)
+        stream: cuda.CUstream,
+    ):
+        num_heads = mV.shape[1]
+        num_seqs = mCuSeqlens.shape[0] - 1
+        self.kernel_pool(
+            mV, mBeta, mWorkspace, mCuSeqlens, mStateIndices, mCheckpointOffsets, mPool, mOut,
+            mCheckpoints, checkpoint_chunks,
+        ).launch(
+            grid=[D // self.block_v, num_heads, num_seqs],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel_pool(
+        self,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        mStateIndices: cute.Tensor,
+        mCheckpointOffsets: cute.Tensor,
+        mPool: cute.Tensor,
+        mOut: cute.Tensor,
+        mCheckpoints: cute.Tensor,
+        checkpoint_chunks: Int32,
+    ):
+        esz = self.state_elem_bytes
+        ring_bytes = STAGES * self.stage_bytes + self.xchg_bytes
+        # + 16: the pool row and the first checkpoint row wait in shared memory across the
+        # chunk loops (registers kept there would cost the loop two, or be spilled); the chunk
+        # loop's CTA barriers make tid 0's stores visible before they are read
+        ring = SmemAllocator().allocate(ring_bytes + 16, byte_alignment=128).toint()
+        cta = _cta_setup_fp32(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut, ring)
+        row = mStateIndices[cta.seq]
+        valid = (row >= 0) & (row < mPool.shape[0])
+        if valid:
+            if cta.tid == 0:
+                ptx.st_shared_b32(ring + ring_bytes, row)
+                ptx.st_shared_b32(ring + ring_bytes + 4, mCheckpointOffsets[cta.seq])
+            state = _state_registers(self)
+            _load_state_elems(cta, state, _head_state(mPool, row, cta, esz), esz)
+            regs = _loop_registers(self)
+            if cta.num_chunks > 0:
+                _prologue_loads(cta, ring)
+                _prologue(cta, ring, state, regs)
+            seg = cutlass.max(
+                Int32(cutlass.select_(checkpoint_chunks > 0, checkpoint_chunks, cta.num_chunks)),
+                Int32(1),
+            )
+            # ceil(num_chunks / seg) without overflow for a huge checkpoint_chunks
+            num_segs = Int32(
+                cutlass.select_(cta.num_chunks > 0, (cta.num_chunks - 1) // seg + 1, Int32(0))
+            )
+            for j in range(num_segs):
+                c0 = j * seg
+                c1 = cutlass.min(c0 + seg, cta.num_chunks)
+                for c in range(c0, c1):
+                    _chunk_step(cta, ring, state, regs, c)
+                ck = ptx.ld_shared_b32(ring + ring_bytes + 4) + j  # the first checkpoint row
+                if (c1 < cta.num_chunks) & (ck >= 0) & (ck < mCheckpoints.shape[0]):
+                    _store_state_elems(cta, state, _head_state(mCheckpoints, ck, cta, esz), esz)
+            ptx.cp_async_wait(0)  # no copy may still target this CTA's shared memory at exit
+            ptx.cta_barrier()  # tid 0's stash is visible (also when the loop ran no chunk)
+            row_again = ptx.ld_shared_b32(ring + ring_bytes)
+            _store_state_elems(cta, state, _head_state(mPool, row_again, cta, esz), esz)
+        if not valid:
+            # padding slot: the sequence's out rows of this CTA's columns are zeros (one 16-byte
+            # store per thread and chunk: 16 rows x block_v / 8 granules <= the thread count)
+            per_row = self.block_v // 8
+            out_base = mOut.iterator.toint() + (Int64(cta.head) * D + Int64(cta.col_cta)) * 2
+            zero = Int32(0)
+            r = cta.tid // per_row
+            gq = cta.tid % per_row
+            for c in range(cta.num_chunks):
+                tok = cta.bos + c * CHUNK + r
+                if (r < CHUNK) & (tok < cta.eos):
+                    ptx.st_global_v4(
+                        out_base + (Int64(tok) * Int64(cta.num_heads) * D + Int64(gq) * 8) * 2,
+                        [zero, zero, zero, zero],
+                    )
+
+
+def _head_state(mStates, row, cta, esz):
+    """Address of mStates[row, head] ([rows, H, 128, 128], esz-byte elements)."""
+    return mStates.iterator.toint() + (Int64(row) * Int64(cta.num_heads) + Int64(cta.head)) * (
+        D * D * esz
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Setup, state I/O, the stage loader
 # ----------------------------------------------------------------------------------------------
@@ -343,12 +475,13 @@ def _state_registers(rec):
     return cute.make_rmem_tensor(cute.make_layout(4 * rec.k_tiles * rec.n_tiles), Float32)
 
 
-def _state_address(cta, base, mt, nt, i):
+def _state_address(cta, base, mt, nt, i, esz=4):
     """Global address of the state element register (mt, nt, i) of this lane holds:
-    state[n, h, j, k] with j its value column, k its key row (local k-tile mt)."""
+    state[n, h, j, k] with j its value column, k its key row (local k-tile mt); esz bytes per
+    element (4: f32, 2: bf16 pools)."""
     k = cta.kbase * 16 + mt * 16 + acc_row(cta.lane, i // 2)
     j = cta.col_cta + cta.col_w + nt * 8 + cta.t2 + i % 2
-    return base + (Int64(j) * D + Int64(k)) * 4
+    return base + (Int64(j) * D + Int64(k)) * esz
 
 
 def _load_state_f32(cta, state, s0_base):
@@ -372,6 +505,52 @@ def _store_state_f32(cta, state, sT_base):
                 ptx.st_global_f32(
                     _state_address(cta, sT_base, mt, nt, i), state[state_index(mt, nt, i, NT)]
                 )
+
+
+def _load_state_elems(cta, state, base, esz):
+    """Initial state from a pool row (or checkpoint-shaped buffer) at `base`: f32 bits as they
+    are (esz 4), or bf16 widened exactly (esz 2: the bits shifted up, as the prefill's Python
+    side widens a bf16 state)."""
+    NT = cta.n_tiles
+    for mt in range(cta.k_tiles):
+        for nt in range(NT):
+            for i in range(4):
+                addr = _state_address(cta, base, mt, nt, i, esz)
+                state[state_index(mt, nt, i, NT)] = (
+                    ptx.ld_global_f32(addr) if esz == 4
+                    else ptx.bf16x2_lo_to_f32(ptx.ld_global_u16(addr))
+                )
+
+
+def _store_state_elems(cta, state, base, esz):
+    """The state registers -> [.., 128 v, 128 k] at `base`: f32 as computed (esz 4) or rounded
+    to bf16 (esz 2, round to nearest even, as the prefill's Python side rounds an f32 final
+    state to a bf16 one). The lane's address terms are derived afresh from %laneid, %tid and
+    %ctaid (_fresh_lane_terms), so that ptxas recomputes them after the chunk loops instead of
+    keeping the prologue's equal ones alive across them (which spilled at block_v 128)."""
+    NT = cta.n_tiles
+    lane_cta = _fresh_lane_terms(cta)
+    for mt in range(cta.k_tiles):
+        for nt in range(NT):
+            for i in range(4):
+                addr = _state_address(lane_cta, base, mt, nt, i, esz)
+                x = state[state_index(mt, nt, i, NT)]
+                if esz == 4:
+                    ptx.st_global_f32(addr, x)
+                else:
+                    ptx.st_global_u16(addr, ptx.pack_bf16x2(x, Float32(0.0)))
+
+
+def _fresh_lane_terms(cta):
+    """The terms _state_address reads (lane, t2, kbase, col_cta, col_w), recomputed from the
+    special registers with warp_role's arithmetic."""
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    slice_idx, _, _ = cute.arch.block_idx()
+    pair = warp // cta.k_split
+    return types.SimpleNamespace(
+        lane=lane, t2=acc_col(lane), kbase=(warp % 2) * HALF_TILES if cta.k_split == 2 else 0,
+        col_cta=slice_idx * cta.block_v, col_w=pair * (8 * cta.n_tiles))
 
 
 def _load_stage(src, chunk, stage):
@@ -819,11 +998,18 @@ def compile_kernel(
     block_v: int = 32,
     arch: str = "sm_90a",
     *,
+    state_dtype: str | None = None,
+    serving: bool = False,
     n_tiles: int | None = None,
     k_split: int | None = None,
     dump_dir: str | None = None,
 ):
     """The fp32-mode column-split recurrence with `block_v` value columns per CTA, compiled for
-    `arch` (compile_utils.compile_for_arch); `n_tiles` per warp and `k_split`: warp_layout."""
+    `arch` (compile_utils.compile_for_arch); `n_tiles` per warp and `k_split`: warp_layout. With
+    serving=True the state-pool variant (KdaRecurrenceFp32Pool) for a `state_dtype` pool."""
+    if serving:
+        return compile_for_arch(
+            KdaRecurrenceFp32Pool(block_v, state_dtype, True, n_tiles, k_split),
+            recurrence_pool_args(state_dtype, FP32_RECORD_BYTES), arch, dump_dir=dump_dir)
     return compile_for_arch(KdaRecurrenceFp32(block_v, n_tiles, k_split), recurrence_fp32_args(),
                             arch, dump_dir=dump_dir)
