@@ -98,6 +98,7 @@ from .recurrence_common import (
     D,
     acc_col,
     acc_row,
+    checkpoint_segments,
     ldmatrix_a_offset,
     ldmatrix_krt_offset,
     ldmatrix_small_offset,
@@ -109,6 +110,7 @@ from .recurrence_common import (
     state_frag_offset,
     state_frag_regs,
     state_smem_offset,
+    zero_padding_out,
 )
 
 GRANULES = RECORD_BYTES // 16  # 16-byte cp.async copies per record
@@ -760,7 +762,6 @@ class KdaRecurrencePool(KdaRecurrence):
         checkpoint_chunks: Int32,
     ):
         ESZ: Constexpr = self.state_elem_bytes
-        PER_ROW: Constexpr = self.block_v // 8  # 16-byte out granules per token row
         cta = _cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
         row = mStateIndices[cta.seq]
         smem = SmemAllocator().allocate(self.smem_bytes + 16, byte_alignment=128).toint()
@@ -784,15 +785,8 @@ class KdaRecurrencePool(KdaRecurrence):
             # Segments of `seg` chunks (the whole sequence without checkpoints); the inner loop's
             # body is the prefill kernel's, the checkpoint after a segment is written between
             # two inner loops (_store_checkpoint).
-            seg = cutlass.max(
-                Int32(cutlass.select_(checkpoint_chunks > 0, checkpoint_chunks, cta.num_chunks)),
-                Int32(1),
-            )
+            seg, num_segs = checkpoint_segments(checkpoint_chunks, cta.num_chunks)
             first_row = mCheckpointOffsets[cta.seq]
-            # ceil(num_chunks / seg) without overflow for a huge checkpoint_chunks
-            num_segs = Int32(
-                cutlass.select_(cta.num_chunks > 0, (cta.num_chunks - 1) // seg + 1, Int32(0))
-            )
             for j in range(num_segs):
                 c0 = j * seg
                 c1 = cutlass.min(c0 + seg, cta.num_chunks)
@@ -808,23 +802,10 @@ class KdaRecurrencePool(KdaRecurrence):
                 cta, state, smem, _pool_slice(mPool, row_again, cta, ESZ), ESZ,
                 lane=cute.arch.lane_idx(),
             )
-        if not valid:
-            # padding slot: no pool access, no checkpoint; the sequence's out rows are zeros
-            # (at most one 16-byte store per thread and chunk: 16 rows x BV / 8 granules)
-            out_base = (
-                mOut.iterator.toint() + (Int64(cta.head) * D + Int64(cta.col_cta)) * 2
-            )
-            zero = Int32(0)
-            r = cta.tid // PER_ROW
-            gq = cta.tid % PER_ROW
-            for c in range(cta.num_chunks):
-                tok = cta.bos + c * CHUNK + r
-                if (r < CHUNK) & (tok < cta.eos):
-                    ptx.st_global_v4(
-                        out_base
-                        + (Int64(tok) * Int64(cta.num_heads) * D + Int64(gq) * 8) * 2,
-                        [zero, zero, zero, zero],
-                    )
+        if not valid:  # padding slot: no pool access, no checkpoint; zero out rows
+            zero_padding_out(
+                mOut.iterator.toint() + (Int64(cta.head) * D + Int64(cta.col_cta)) * 2, cta.tid,
+                cta.bos, cta.eos, cta.num_chunks, cta.num_heads, self.block_v)
 
 
 def pool_smem_bytes(block_v):

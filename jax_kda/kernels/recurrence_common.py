@@ -8,9 +8,10 @@ CPU fragment simulator in tests/kernel_sim.py on numpy ints, so both run the sam
 """
 
 import cutlass
-from cutlass import BFloat16, Float32, Int32, Uint8
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, cute
 
 from .. import contract
+from . import ptx
 from .compile_utils import fake_stream, fake_tensor, symbol
 
 D, CHUNK, RECORD_BYTES = contract.HEAD_DIM, contract.CHUNK, contract.RECORD_BYTES
@@ -30,6 +31,36 @@ def sequence_bounds(cu_seqlens, seq, t_total):
     bos = sequence_start(cu_seqlens, seq, t_total)
     eos = cutlass.min(cutlass.max(cu_seqlens[seq + 1], bos), t_total)
     return bos, eos
+
+
+def checkpoint_segments(checkpoint_chunks, num_chunks):
+    """(chunks per segment, segments) of a pool recurrence's chunk loop (both numerics modes):
+    checkpoint_chunks per segment (> 0), else the whole sequence as one; ceil(num_chunks / seg)
+    without overflow for a huge checkpoint_chunks."""
+    seg = cutlass.max(
+        Int32(cutlass.select_(checkpoint_chunks > 0, checkpoint_chunks, num_chunks)), Int32(1)
+    )
+    num_segs = Int32(cutlass.select_(num_chunks > 0, (num_chunks - 1) // seg + 1, Int32(0)))
+    return seg, num_segs
+
+
+@cute.jit
+def zero_padding_out(out_base: Int64, tid: Int32, bos: Int32, eos: Int32, num_chunks: Int32,
+                     num_heads: Int32, block_v: cutlass.Constexpr):
+    """A padding slot's out rows of a CTA's block_v columns (out_base: its first column of token
+    0): zeros, one 16-byte store per thread and chunk (16 rows x block_v / 8 granules <= the
+    CTA's threads)."""
+    per_row = block_v // 8
+    zero = Int32(0)
+    r = tid // per_row
+    gq = tid % per_row
+    for c in range(num_chunks):
+        tok = bos + c * CHUNK + r
+        if (r < CHUNK) & (tok < eos):
+            ptx.st_global_v4(
+                out_base + (Int64(tok) * Int64(num_heads) * D + Int64(gq) * 8) * 2,
+                [zero, zero, zero, zero],
+            )
 
 
 def ldmatrix_a_offset(lane, kb):

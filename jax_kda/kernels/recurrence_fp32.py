@@ -129,11 +129,13 @@ from .recurrence_common import (
     D,
     acc_col,
     acc_row,
+    checkpoint_segments,
     ldmatrix_a_offset,
     ldmatrix_krt_offset,
     ldmatrix_small_offset,
     recurrence_fp32_args,
     recurrence_pool_args,
+    zero_padding_out,
 )
 
 GRANULES = FP32_RECORD_BYTES // 16  # 16-byte cp.async copies per record
@@ -374,14 +376,7 @@ class KdaRecurrenceFp32Pool(KdaRecurrenceFp32):
             if cta.num_chunks > 0:
                 _prologue_loads(cta, ring)
                 _prologue(cta, ring, state, regs)
-            seg = cutlass.max(
-                Int32(cutlass.select_(checkpoint_chunks > 0, checkpoint_chunks, cta.num_chunks)),
-                Int32(1),
-            )
-            # ceil(num_chunks / seg) without overflow for a huge checkpoint_chunks
-            num_segs = Int32(
-                cutlass.select_(cta.num_chunks > 0, (cta.num_chunks - 1) // seg + 1, Int32(0))
-            )
+            seg, num_segs = checkpoint_segments(checkpoint_chunks, cta.num_chunks)
             for j in range(num_segs):
                 c0 = j * seg
                 c1 = cutlass.min(c0 + seg, cta.num_chunks)
@@ -394,21 +389,10 @@ class KdaRecurrenceFp32Pool(KdaRecurrenceFp32):
             ptx.cta_barrier()  # tid 0's stash is visible (also when the loop ran no chunk)
             row_again = ptx.ld_shared_b32(ring + ring_bytes)
             _store_state_elems(cta, state, _head_state(mPool, row_again, cta, esz), esz)
-        if not valid:
-            # padding slot: the sequence's out rows of this CTA's columns are zeros (one 16-byte
-            # store per thread and chunk: 16 rows x block_v / 8 granules <= the thread count)
-            per_row = self.block_v // 8
-            out_base = mOut.iterator.toint() + (Int64(cta.head) * D + Int64(cta.col_cta)) * 2
-            zero = Int32(0)
-            r = cta.tid // per_row
-            gq = cta.tid % per_row
-            for c in range(cta.num_chunks):
-                tok = cta.bos + c * CHUNK + r
-                if (r < CHUNK) & (tok < cta.eos):
-                    ptx.st_global_v4(
-                        out_base + (Int64(tok) * Int64(cta.num_heads) * D + Int64(gq) * 8) * 2,
-                        [zero, zero, zero, zero],
-                    )
+        if not valid:  # padding slot: no pool, checkpoint or workspace access; zero out rows
+            zero_padding_out(
+                mOut.iterator.toint() + (Int64(cta.head) * D + Int64(cta.col_cta)) * 2, cta.tid,
+                cta.bos, cta.eos, cta.num_chunks, cta.num_heads, self.block_v)
 
 
 def _head_state(mStates, row, cta, esz):
