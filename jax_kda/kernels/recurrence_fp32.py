@@ -100,6 +100,12 @@ per thread; in-warp halves, per n-tile: 70 HMMA, 40 MOVM, 160 FADD, 34 FFMA, 42 
 
 The kernel body is assembled from plain trace-time pieces (_prologue, _chunk_step,
 u_to_b_operands, three_term_product, state_tile_update, ...), like recurrence.py's.
+
+Serving variant (KdaRecurrenceFp32Pool, custom call jax_kda_recurrence_fp32_pool_v1): the same
+chunk loop on a state pool indexed per sequence (bf16 or f32 rows, updated in place), run in
+segments with a checkpoint store between them; the operands of recurrence.py's KdaRecurrencePool
+with this mode's records (class docstring; docs/kernel_abi.md). Registers 209 / 212 / 190 / 255
+at block_v 16 / 32 / 64 / 128 on sm_90a, no local memory.
 """
 
 import types
