@@ -1,7 +1,7 @@
 """CPU checks of the fp32-mode column-split recurrence kernel (jax_kda/kernels/recurrence_fp32.py).
 
-1. The chunk loop, run as the kernel's own trace-time helpers (_load_state_f32, _prologue,
-   _chunk_step, _store_state_f32) on an f32-arithmetic variant of kernel_sim.SimtValues: one
+1. The chunk loop, run as the kernel's own trace-time helpers (_load_state, _prologue,
+   _chunk_step, _store_state) on an f32-arithmetic variant of kernel_sim.SimtValues: one
    Python thread per GPU thread, real warp collectives (ldmatrix, movmatrix, mma.m16n8k16 with
    the PTX ISA fragment layouts of kernel_sim), bf16 roundings, the hi/lo splits and .ftz f32
    arithmetic emulated in numpy (an MMA: the exact 16-term dot plus C, rounded once to f32).
@@ -392,12 +392,12 @@ def run_cta(block_v, n_tiles, k_split, S0, fields, v_rows, logits, n_chunks, n_v
             n_ints=fp32._chain_int_count(n_tiles),
             zero_f=0.0,
         )
-        fp32._load_state_f32(cta, state, S0_BASE)
+        fp32._load_state(cta, state, S0_BASE)
         fp32._prologue_loads(cta, 0)
         fp32._prologue(cta, 0, state, regs)
         for c in range(n_chunks):
             fp32._chunk_step(cta, 0, state, regs, c)
-        fp32._store_state_f32(cta, state, ST_BASE)
+        fp32._store_state(cta, state, ST_BASE)
 
     sim.run(body)
     out = np.full((n_chunks, 16, block_v), np.nan)

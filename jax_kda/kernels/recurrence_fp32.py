@@ -285,7 +285,7 @@ class KdaRecurrenceFp32:
         s0_base = mState0.iterator.toint() + state_off * 4
         sT_base = mStateT.iterator.toint() + state_off * 4
         state = _state_registers(self)
-        _load_state_f32(cta, state, s0_base)
+        _load_state(cta, state, s0_base)
         regs = _loop_registers(self)
         if cta.num_chunks > 0:
             _prologue_loads(cta, ring)
@@ -294,7 +294,7 @@ class KdaRecurrenceFp32:
             _chunk_step(cta, ring, state, regs, c)
         ptx.cp_async_wait(0)  # no copy may still target this CTA's shared memory at exit
         # final state (also for zero-length sequences: the initial state, bit for bit)
-        _store_state_f32(cta, state, sT_base)
+        _store_state(cta, state, sT_base)
 
 
 class KdaRecurrenceFp32Pool(KdaRecurrenceFp32):
@@ -317,7 +317,7 @@ class KdaRecurrenceFp32Pool(KdaRecurrenceFp32):
         leaves S(c + 1) in them) go to checkpoints[ck, head] in the pool's dtype. Checkpoint j is
         bitwise the final state of a prefill on the first (j + 1) * 16 * n16 tokens."""
 
-    def __init__(self, block_v: int = 32, state_dtype: str = "f32", serving: bool = True,
+    def __init__(self, block_v: int = 32, state_dtype: str = "f32",
                  n_tiles: int | None = None, k_split: int | None = None):
         super().__init__(block_v, n_tiles, k_split)
         self.state_elem_bytes = {"bf16": 2, "f32": 4}[state_dtype]
@@ -377,7 +377,7 @@ class KdaRecurrenceFp32Pool(KdaRecurrenceFp32):
                 ptx.st_shared_b32(ring + ring_bytes, row)
                 ptx.st_shared_b32(ring + ring_bytes + 4, mCheckpointOffsets[cta.seq])
             state = _state_registers(self)
-            _load_state_elems(cta, state, _head_state(mPool, row, cta, esz), esz)
+            _load_state(cta, state, _head_state(mPool, row, cta, esz), esz)
             regs = _loop_registers(self)
             if cta.num_chunks > 0:
                 _prologue_loads(cta, ring)
@@ -390,11 +390,13 @@ class KdaRecurrenceFp32Pool(KdaRecurrenceFp32):
                     _chunk_step(cta, ring, state, regs, c)
                 ck = ptx.ld_shared_b32(ring + ring_bytes + 4) + j  # the first checkpoint row
                 if (c1 < cta.num_chunks) & (ck >= 0) & (ck < mCheckpoints.shape[0]):
-                    _store_state_elems(cta, state, _head_state(mCheckpoints, ck, cta, esz), esz)
+                    _store_state(cta, state, _head_state(mCheckpoints, ck, cta, esz), esz,
+                                 _fresh_lane_terms(cta))
             ptx.cp_async_wait(0)  # no copy may still target this CTA's shared memory at exit
             ptx.cta_barrier()  # tid 0's stash is visible (also when the loop ran no chunk)
             row_again = ptx.ld_shared_b32(ring + ring_bytes)
-            _store_state_elems(cta, state, _head_state(mPool, row_again, cta, esz), esz)
+            _store_state(cta, state, _head_state(mPool, row_again, cta, esz), esz,
+                         _fresh_lane_terms(cta))
         if not valid:  # padding slot: no pool, checkpoint or workspace access; zero out rows
             zero_padding_out(
                 mOut.iterator.toint() + (Int64(cta.head) * D + Int64(cta.col_cta)) * 2, cta.tid,
@@ -474,32 +476,10 @@ def _state_address(cta, base, mt, nt, i, esz=4):
     return base + (Int64(j) * D + Int64(k)) * esz
 
 
-def _load_state_f32(cta, state, s0_base):
-    """Initial state -> registers, f32 bits as they are (4-byte loads: the eight lanes of one t
-    read 32 contiguous bytes of a state row)."""
-    NT = cta.n_tiles
-    for mt in range(cta.k_tiles):
-        for nt in range(NT):
-            for i in range(4):
-                state[state_index(mt, nt, i, NT)] = ptx.ld_global_f32(
-                    _state_address(cta, s0_base, mt, nt, i)
-                )
-
-
-def _store_state_f32(cta, state, sT_base):
-    """Final state registers -> global, f32 as computed."""
-    NT = cta.n_tiles
-    for mt in range(cta.k_tiles):
-        for nt in range(NT):
-            for i in range(4):
-                ptx.st_global_f32(
-                    _state_address(cta, sT_base, mt, nt, i), state[state_index(mt, nt, i, NT)]
-                )
-
-
-def _load_state_elems(cta, state, base, esz):
-    """Initial state from a pool row (or checkpoint-shaped buffer) at `base`: f32 bits as they
-    are (esz 4), or bf16 widened exactly (esz 2: the bits shifted up, as the prefill's Python
+def _load_state(cta, state, base, esz=4):
+    """This lane's state registers from [.., 128 v, 128 k] at `base` (an initial state or a pool
+    row): f32 bits as they are (esz 4: the eight lanes of one t read 32 contiguous bytes of a
+    state row), or bf16 widened exactly (esz 2: the bits shifted up, as the prefill's Python
     side widens a bf16 state)."""
     NT = cta.n_tiles
     for mt in range(cta.k_tiles):
@@ -512,18 +492,17 @@ def _load_state_elems(cta, state, base, esz):
                 )
 
 
-def _store_state_elems(cta, state, base, esz):
+def _store_state(cta, state, base, esz=4, lane_terms=None):
     """The state registers -> [.., 128 v, 128 k] at `base`: f32 as computed (esz 4) or rounded
     to bf16 (esz 2, round to nearest even, as the prefill's Python side rounds an f32 final
-    state to a bf16 one). The lane's address terms are derived afresh from %laneid, %tid and
-    %ctaid (_fresh_lane_terms), so that ptxas recomputes them after the chunk loops instead of
-    keeping the prologue's equal ones alive across them (which spilled at block_v 128)."""
+    state to a bf16 one). lane_terms: where _state_address takes the lane's address terms from
+    (default `cta`; the pool kernel passes _fresh_lane_terms(cta))."""
     NT = cta.n_tiles
-    lane_cta = _fresh_lane_terms(cta)
+    terms = cta if lane_terms is None else lane_terms
     for mt in range(cta.k_tiles):
         for nt in range(NT):
             for i in range(4):
-                addr = _state_address(lane_cta, base, mt, nt, i, esz)
+                addr = _state_address(terms, base, mt, nt, i, esz)
                 x = state[state_index(mt, nt, i, NT)]
                 if esz == 4:
                     ptx.st_global_f32(addr, x)
@@ -533,7 +512,9 @@ def _store_state_elems(cta, state, base, esz):
 
 def _fresh_lane_terms(cta):
     """The terms _state_address reads (lane, t2, kbase, col_cta, col_w), recomputed from the
-    special registers with warp_role's arithmetic."""
+    special registers with warp_role's arithmetic: stores after the chunk loops that use them
+    make ptxas recompute the terms there instead of keeping the prologue's equal ones alive
+    across the loops (which spilled at block_v 128)."""
     lane = cute.arch.lane_idx()
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     slice_idx, _, _ = cute.arch.block_idx()
@@ -999,7 +980,7 @@ def compile_kernel(
     serving=True the state-pool variant (KdaRecurrenceFp32Pool) for a `state_dtype` pool."""
     if serving:
         return compile_for_arch(
-            KdaRecurrenceFp32Pool(block_v, state_dtype, True, n_tiles, k_split),
+            KdaRecurrenceFp32Pool(block_v, state_dtype, n_tiles, k_split),
             recurrence_pool_args(state_dtype, FP32_RECORD_BYTES), arch, dump_dir=dump_dir)
     return compile_for_arch(KdaRecurrenceFp32(block_v, n_tiles, k_split), recurrence_fp32_args(),
                             arch, dump_dir=dump_dir)
