@@ -210,7 +210,8 @@ def _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices
     N * t (t + 1) / 2 tokens) from the sequence's initial state; out and the new state are those
     of the longest prefix (the whole t tokens). Each packed sequence is computed independently by
     the kernels and the fp32 mode's bits do not depend on the column split, so every result is
-    bitwise kda_prefill's on the same tokens. The cost grows as t (t + 1) / 2 tokens instead of t."""
+    bitwise kda_prefill's on the same tokens. The cost grows as t (t + 1) / 2 tokens instead of
+    t."""
     N, t, H = problem.num_seqs, problem.tokens, problem.heads
     prefix_tokens = t * (t + 1) // 2  # tokens of the t prefixes of one sequence
     # packed token j of sequence n's prefixes reads token (n, row_of[j]); prefix i starts at
@@ -221,8 +222,6 @@ def _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices
     source = (seqs * t + row_of[None, :]).reshape(-1)
     cu = np.append((seqs * prefix_tokens + prefix_start[None, :]).reshape(-1), N * prefix_tokens)
     packed = [_flat(x)[source][None] for x in (q, k, v, g, beta)]
-    valid = (jnp.ones((N,), bool) if state_indices is None
-             else _state_pool.valid_rows(state_indices, problem.pool_rows))
     initial = _state_pool.gather(state, state_indices) if problem.indexed else state
     prefill_problem = Problem(
         batch=1, seqlen=N * prefix_tokens, heads=H, num_seqs=N * t, varlen=True,
@@ -235,9 +234,10 @@ def _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices
     longest = (seqs * prefix_tokens + prefix_start[-1] + np.arange(t)[None, :]).reshape(-1)
     out = out[0, longest].reshape(q.shape)
     states = finals.reshape((N, t) + finals.shape[1:])
-    pad = ~valid
+    if not problem.indexed:
+        return vary_like(out, v), vary_like(states[:, -1], v), vary_like(states, v)
+    pad = ~_state_pool.valid_rows(state_indices, problem.pool_rows)
     out = jnp.where(pad[:, None, None, None], jnp.zeros((), out.dtype), out)
     states = jnp.where(pad[:, None, None, None, None], jnp.zeros((), states.dtype), states)
-    new_state = (_state_pool.scatter(state, state_indices, states[:, -1]) if problem.indexed
-                 else states[:, -1])
-    return vary_like(out, v), vary_like(new_state, v), vary_like(states, v)
+    new_pool = _state_pool.scatter(state, state_indices, states[:, -1])
+    return vary_like(out, v), vary_like(new_pool, v), vary_like(states, v)
