@@ -23,7 +23,6 @@ from heuristic_grid import device_inputs  # beside this file
 
 import jax_kda
 from jax_kda import _ffi, _launch, _sequence_parallel, contract
-from jax_kda._launch import RecurrenceLaunch
 from jax_kda.bench import timing
 
 # the combine's products: f32 (the library's) and three bf16 MMAs (the kernels' own hi/lo
@@ -58,9 +57,7 @@ def parts(T, H, n, repeats):
     workspace = jax.block_until_ready(jax.jit(prepare)(*p_args))
     states = jnp.zeros((capacity, H, 128, 128), jnp.float32)
     for bv in contract.COLUMN_SPLITS:
-        launch = RecurrenceLaunch("column_split", bv)
-
-        def recurrence(v, beta, ws, cu_, s, launch=launch):
+        def recurrence(v, beta, ws, cu_, s, launch=bv):
             return _ffi.recurrence_call(v, beta, ws, cu_, s, launch=launch, alias_state=False,
                                         numerics="fp32")
 

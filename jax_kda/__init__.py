@@ -4,7 +4,8 @@ GPU kernels (CuTe DSL, compiled ahead of time, called through XLA FFI) where bui
 CUDA, and a pure-JAX chunkwise reference that runs anywhere and mirrors the kernels' numerics.
 """
 
-from . import checkpoints, export
+from . import checkpoints, export, options
+from ._ffi import kernels_available, unavailable_reason
 from .api import KdaInferenceOnlyError, KernelsUnavailableError, kda_decode, kda_prefill
 from .checkpoints import checkpoint_offsets
 from .export import disabled_safety_checks
@@ -23,4 +24,7 @@ __all__ = [
     "kda_decode_sharded",
     "kda_prefill",
     "kda_prefill_sharded",
+    "kernels_available",
+    "options",
+    "unavailable_reason",
 ]

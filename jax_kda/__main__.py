@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, kda_prefill, oracle
+from . import kda_prefill, kernels_available, oracle, unavailable_reason
 
 # The demo draws q, k, v ~ N(0, 1). There the bf16 roundings of the numerics contract
 # (docs/numerics.md; kernels and reference alike)
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
             "pip install 'jax-kda[cuda13]' (or run `make demo`, which does where a driver is "
             "present); the demo would otherwise run the reference on the CPU."
         )
-    use_kernels = on_gpu and _ffi.kernels_available()
+    use_kernels = on_gpu and kernels_available()
     parser = argparse.ArgumentParser(prog="python -m jax_kda", description=__doc__)
     parser.add_argument("--seqlen", type=int, default=8192 if use_kernels else 1024)
     parser.add_argument("--heads", type=int, default=12 if use_kernels else 2)
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     if use_kernels:
         backend, why = "kernel", "GPU kernels (CuTe DSL via XLA FFI)"
     elif on_gpu:
-        backend, why = "reference", f"pure-JAX reference (kernels unavailable: {_ffi.unavailable_reason()})"
+        backend, why = "reference", f"pure-JAX reference (kernels unavailable: {unavailable_reason()})"
     else:
         backend, why = "reference", "pure-JAX reference (no CUDA GPU visible)"
 

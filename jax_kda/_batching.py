@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _state_pool
-from ._checks import Problem
+from .problem import Problem
 from .checkpoints import checkpoint_offsets
 
 # Argument order of every function wrapped here (everything from `state` on may be None).

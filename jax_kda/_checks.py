@@ -9,57 +9,18 @@ the kernels do with malformed values is documented at `check_cu_seqlens_values` 
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _sequence_parallel, options
 from .checkpoints import checkpoint_capacity
-from .contract import CHUNK, HEAD_DIM, INVERSE_IDS, MAX_DECODE_TOKENS, NUMERICS
+from .contract import HEAD_DIM, MAX_DECODE_TOKENS
+from .problem import DecodeProblem, Problem
 
-INVERSES = tuple(INVERSE_IDS)
-BACKENDS = ("auto", "kernel", "reference")
 STATE_DTYPES = (jnp.bfloat16, jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """The static description of one kda_prefill call, derived from validated arguments."""
-
-    batch: int  # B
-    seqlen: int  # T
-    heads: int  # H
-    num_seqs: int  # N (= B without cu_seqlens)
-    varlen: bool
-    state_dtype: np.dtype  # dtype of the returned final state
-    scale: float
-    lower_bound: float
-    pool_rows: int | None = None  # P when the initial state is a pool indexed by state_indices
-    checkpoint_every: int | None = None  # tokens between intermediate states, None = none
-    checkpoint_capacity: int = 0  # rows of the packed checkpoint array (jax_kda.checkpoints)
-    numerics: str = "flashkda"  # a contract.NUMERICS mode
-    # sequence parallelism (jax_kda._sequence_parallel, fp32 mode): tokens per piece of a cut
-    # sequence, or plan_segments: the kernel path plans it for the size it sees
-    segment_length: int | None = None
-    plan_segments: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeProblem:
-    """The static description of one kda_decode call."""
-
-    num_seqs: int  # N
-    tokens: int  # t, tokens per sequence (1..16)
-    heads: int  # H
-    pool_rows: int  # P
-    indexed: bool  # state_indices given
-    state_dtype: np.dtype
-    scale: float
-    lower_bound: float
-    intermediate_states: bool
-    numerics: str = "flashkda"
 
 
 def _dtype_name(dtype) -> str:
@@ -73,6 +34,7 @@ def _shape_of(fn: str, name: str, x) -> tuple[int, ...]:
 
 
 def _expect_dtype(fn: str, name: str, x, allowed) -> None:
+    _shape_of(fn, name, x)  # an array at all, before its dtype is read
     allowed = tuple(np.dtype(a) for a in allowed)
     if np.dtype(x.dtype) not in allowed:
         want = " or ".join(_dtype_name(a) for a in allowed)
@@ -118,20 +80,6 @@ def _check_bool(fn: str, name: str, value) -> None:
         raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__}")
 
 
-def check_options(fn: str, inverse: str, backend: str, numerics: str = "flashkda") -> None:
-    if not isinstance(numerics, str) or numerics not in NUMERICS:
-        raise ValueError(f"{fn}: numerics must be one of {NUMERICS}, got {numerics!r}")
-    if inverse not in INVERSES:
-        raise ValueError(f"{fn}: inverse must be one of {INVERSES}, got {inverse!r}")
-    if numerics == "fp32" and inverse != "stable":
-        raise ValueError(
-            f"{fn}: inverse={inverse!r} exists in the flashkda numerics only; numerics='fp32' "
-            "has one f32 inverse (leave inverse='stable')"
-        )
-    if backend not in BACKENDS:
-        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
-
-
 def _check_token_arrays(fn: str, arrays: dict, shape: tuple[int, ...], lead: str) -> None:
     """q, k, v, g bf16 `shape` and beta bf16 shape[:3]; lead names the leading axes ("B, T")."""
     for name, x in arrays.items():
@@ -174,10 +122,19 @@ def _check_state_indices(fn: str, state_indices, num_seqs: int, pool_rows: int) 
 
 def check_prefill(
     q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound, initial_state, output_final_state,
-    cu_seqlens, state_indices=None, checkpoint_every=None, numerics="flashkda",
+    cu_seqlens, state_indices, checkpoint_every, numerics, inverse, sequence_parallel,
+    recurrence, backend, fn: str = "kda_prefill",
 ) -> Problem:
-    """Validates kda_prefill's arrays and static options; returns the derived Problem."""
-    fn = "kda_prefill"
+    """Validates kda_prefill's arrays and options (jax_kda.options has the option rules);
+    returns the derived Problem."""
+    options.check_numerics(fn, numerics, inverse)
+    options.check_backend(fn, backend)
+    checkpoint_every = options.check_checkpoint_every(fn, checkpoint_every)
+    recurrence = options.check_recurrence(fn, recurrence, numerics=numerics,
+                                          pooled=state_indices is not None,
+                                          checkpoint_every=checkpoint_every)
+    segments = options.check_sequence_parallel(fn, sequence_parallel, numerics=numerics,
+                                               checkpoint_every=checkpoint_every)
     q_shape = _shape_of(fn, "q", q)
     if len(q_shape) != 4:
         raise ValueError(f"{fn}: q must have rank 4 [B, T, H, {HEAD_DIM}], got shape {q_shape}")
@@ -186,6 +143,8 @@ def check_prefill(
         raise ValueError(
             f"{fn}: head dim must be {HEAD_DIM} (the last axis of q, k, v, g), got {D}"
         )
+    if min(B, T, H) < 1:
+        raise ValueError(f"{fn}: q's B, T and H (axes 0, 1, 2) must be >= 1, got shape {q_shape}")
     _check_token_arrays(fn, {"q": q, "k": k, "v": v, "g": g, "beta": beta},
                         (B, T, H, HEAD_DIM), "B, T")
     _check_head_params(fn, A_log, dt_bias, H)
@@ -208,7 +167,7 @@ def check_prefill(
                 f"along T), got B = {B}"
             )
         N, varlen = cu_shape[0] - 1, True
-        check_cu_seqlens_values(cu_seqlens, T)
+        check_cu_seqlens_values(fn, cu_seqlens, T)
 
     # no initial state: the mode's own state precision
     state_dtype = np.dtype(jnp.float32 if numerics == "fp32" else jnp.bfloat16)
@@ -227,24 +186,19 @@ def check_prefill(
         else:
             pool_rows = _check_pool(fn, "initial_state", initial_state, H)
             _check_state_indices(fn, state_indices, N, pool_rows)
-    if checkpoint_every is not None:
-        if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Integral)
-                or checkpoint_every <= 0 or checkpoint_every % CHUNK):
-            raise ValueError(
-                f"{fn}: checkpoint_every must be a positive multiple of {CHUNK} (tokens between "
-                f"saved states), got {checkpoint_every!r}"
-            )
-        checkpoint_every = int(checkpoint_every)
-    return Problem(B, T, H, N, varlen, state_dtype, scale, lower_bound, pool_rows,
-                   checkpoint_every, checkpoint_capacity(B, T, varlen, checkpoint_every), numerics)
+    problem = Problem(B, T, H, N, varlen, state_dtype, scale, lower_bound, pool_rows,
+                      checkpoint_every, checkpoint_capacity(B, T, varlen, checkpoint_every),
+                      numerics, inverse, recurrence, backend)
+    return _sequence_parallel.with_segments(problem, segments)
 
 
 def check_decode(
     q, k, v, g, beta, A_log, dt_bias, *, state, state_indices, scale, lower_bound,
-    output_intermediate_states, numerics="flashkda",
+    output_intermediate_states, numerics, inverse, backend, fn: str = "kda_decode",
 ) -> DecodeProblem:
-    """Validates kda_decode's arrays and static options; returns the derived DecodeProblem."""
-    fn = "kda_decode"
+    """Validates kda_decode's arrays and options; returns the derived DecodeProblem."""
+    options.check_numerics(fn, numerics, inverse)
+    options.check_backend(fn, backend)
     q_shape = _shape_of(fn, "q", q)
     if len(q_shape) != 4:
         raise ValueError(f"{fn}: q must have rank 4 [N, t, H, {HEAD_DIM}], got shape {q_shape}")
@@ -256,8 +210,8 @@ def check_decode(
             f"{fn}: t (tokens per sequence, axis 1 of q) must lie in [1, {MAX_DECODE_TOKENS}] "
             f"(one chunk; use kda_prefill for more), got {t}"
         )
-    if N < 1:
-        raise ValueError(f"{fn}: N (sequences, axis 0 of q) must be >= 1, got {N}")
+    if N < 1 or H < 1:
+        raise ValueError(f"{fn}: q's N and H (axes 0 and 2) must be >= 1, got shape {q_shape}")
     _check_token_arrays(fn, {"q": q, "k": k, "v": v, "g": g, "beta": beta},
                         (N, t, H, HEAD_DIM), "N, t")
     _check_head_params(fn, A_log, dt_bias, H)
@@ -273,13 +227,13 @@ def check_decode(
                       "[N, H, 128, 128] (one state per sequence; pass state_indices for a pool)")
     else:
         _check_pool(fn, "state", state, H)
-    if state_indices is not None:
         _check_state_indices(fn, state_indices, N, shape[0])
     return DecodeProblem(N, t, H, shape[0], state_indices is not None, np.dtype(state.dtype),
-                         scale, lower_bound, bool(output_intermediate_states), numerics)
+                         scale, lower_bound, bool(output_intermediate_states), numerics,
+                         inverse, backend)
 
 
-def check_cu_seqlens_values(cu_seqlens, total_tokens: int) -> None:
+def check_cu_seqlens_values(fn: str, cu_seqlens, total_tokens: int) -> None:
     """Checks cu_seqlens' values when they are known now (outside jit).
 
     Under jit the values are unknown at trace time. Then malformed values (not starting at 0,
@@ -291,7 +245,7 @@ def check_cu_seqlens_values(cu_seqlens, total_tokens: int) -> None:
     values = np.asarray(cu_seqlens)
     if values[0] != 0 or values[-1] != total_tokens or np.any(np.diff(values) < 0):
         raise ValueError(
-            "kda_prefill: cu_seqlens must be non-decreasing, start at 0 and end at T = "
+            f"{fn}: cu_seqlens must be non-decreasing, start at 0 and end at T = "
             f"{total_tokens}, got {values.tolist() if values.size <= 16 else values}"
         )
 

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import contract
-from ._launch import RecurrenceLaunch
 
 HEAD_DIM = contract.HEAD_DIM
 
@@ -36,7 +35,6 @@ _HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
     contract.PREPARE_FP32_TARGET: "JaxKdaPrepareFp32V1",
     contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
     contract.RECURRENCE_FP32_POOL_TARGET: "JaxKdaRecurrenceFp32PoolV1",
-    contract.PREFILL_OVERLAP_TARGET: "JaxKdaPrefillOverlapV1",
 }
 _HANDLER_SYMBOLS = {
     target: {stage: name + stage.capitalize() for stage in ("instantiate", "initialize", "execute")}
@@ -190,9 +188,9 @@ def _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse, 
     """The prepare step's operands and `inverse` (checked); returns cu_seqlens as int32."""
     if q.ndim != 3:
         raise ValueError(f"q: expected [T_total, H, 128], got shape {tuple(q.shape)}")
-    if inverse not in contract.INVERSE_IDS or (numerics == "fp32" and inverse != "stable"):
-        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)} ('stable' in "
-                         f"the fp32 mode), got {inverse!r}")
+    if inverse not in contract.INVERSE_IDS:
+        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
+    assert numerics == "flashkda" or inverse == "stable"  # jax_kda.options
     total, heads = q.shape[0], q.shape[1]
     cu_seqlens = _checked_cu_seqlens(cu_seqlens)
     for name, x in (("q", q), ("k", k), ("g", g)):
@@ -220,16 +218,19 @@ def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_boun
                 inverse=np.int32(contract.INVERSE_IDS[inverse]))
 
 
-def block_v_attribute(launch: RecurrenceLaunch) -> int:
-    """The recurrence custom call's `block_v` attribute for a resolved launch: the column split,
-    or contract.BASELINE_BLOCK_V for the baseline kernel (docs/kernel_abi.md)."""
-    if not isinstance(launch, RecurrenceLaunch) or not launch.resolved:
-        raise ValueError(f"launch: expected a resolved RecurrenceLaunch, got {launch!r}")
-    return contract.BASELINE_BLOCK_V if launch.kernel == "baseline" else launch.column_split
+def block_v_attribute(launch) -> int:
+    """The recurrence custom call's `block_v` attribute for a resolved launch (jax_kda._launch):
+    the column split, or contract.BASELINE_BLOCK_V for "baseline" (docs/kernel_abi.md)."""
+    if launch == "baseline":
+        return contract.BASELINE_BLOCK_V
+    if isinstance(launch, bool) or launch not in contract.COLUMN_SPLITS:
+        raise ValueError(f"launch: expected 'baseline' or one of {contract.COLUMN_SPLITS}, "
+                         f"got {launch!r}")
+    return int(launch)
 
 
-def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: RecurrenceLaunch,
-                    alias_state=True, numerics="flashkda"):
+def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch, alias_state=True,
+                    numerics="flashkda"):
     """Custom call 2: the chunk recurrence. Returns (out bf16 [T_total, H, 128],
     final_state [N, H, 128, 128]: bf16 in the flashkda mode, f32 in the fp32 mode, the dtype
     state0 must have); same bits for every launch. With alias_state the final state is written
@@ -237,9 +238,8 @@ def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: Recurrenc
     _, target, record_bytes, state_dtype = _prefill_calls(numerics)
     if v.ndim != 3:
         raise ValueError(f"v: expected [T_total, H, 128], got shape {tuple(v.shape)}")
-    if numerics == "fp32" and launch.kernel != "column_split":
-        raise ValueError("the fp32 numerics mode runs the column-split recurrence only")
     block_v = block_v_attribute(launch)
+    assert numerics == "flashkda" or block_v != contract.BASELINE_BLOCK_V  # jax_kda.options
     total, heads = v.shape[0], v.shape[1]
     cu_seqlens = _checked_cu_seqlens(cu_seqlens)
     num_seqs = cu_seqlens.shape[0] - 1
@@ -257,40 +257,6 @@ def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: Recurrenc
     return call(v, beta, workspace, cu_seqlens, state0, block_v=np.int32(block_v))
 
 
-def prefill_overlap_call(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, *, scale,
-                         lower_bound, inverse, launch: RecurrenceLaunch,
-                         prepare_ctas_per_sm: int = contract.OVERLAP_PREPARE_CTAS_PER_SM):
-    """Prepare and the column-split recurrence of the flashkda mode in one custom call
-    (docs/kernel_abi.md "Overlapped prefill"): with launch.overlap the recurrence runs while
-    prepare writes the workspace on prepare_ctas_per_sm persistent CTAs per SM (where the
-    recurrence leaves SMs free; else the two run one after the other), bitwise the two separate
-    calls' results. Returns (out bf16 [T_total, H, 128], final_state bf16 [N, H, 128, 128]);
-    the workspace and the ready counters are scratch."""
-    if not isinstance(launch, RecurrenceLaunch) or launch.kernel != "column_split" \
-            or not launch.resolved:
-        raise ValueError(f"launch: expected a resolved column-split RecurrenceLaunch, got {launch!r}")
-    cu_seqlens = _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse,
-                                         "flashkda")
-    total, heads = q.shape[0], q.shape[1]
-    num_seqs = cu_seqlens.shape[0] - 1
-    _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
-    _expect("initial_state", state0, jnp.bfloat16, (num_seqs, heads, HEAD_DIM, HEAD_DIM))
-    slots = contract.workspace_slots(total, num_seqs)
-    results = (
-        jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
-        jax.ShapeDtypeStruct(state0.shape, jnp.bfloat16),
-        jax.ShapeDtypeStruct((heads, slots, contract.RECORD_BYTES), jnp.uint8),
-        jax.ShapeDtypeStruct((contract.ready_words(heads, slots),), jnp.int32),
-    )
-    call = jax.ffi.ffi_call(contract.PREFILL_OVERLAP_TARGET, results)
-    out, final, _, _ = call(
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, scale=np.float32(scale),
-        lower_bound=np.float32(lower_bound), inverse=np.int32(contract.INVERSE_IDS[inverse]),
-        block_v=np.int32(launch.column_split),
-        overlap=np.int32(prepare_ctas_per_sm if launch.overlap else 0))
-    return out, final
-
-
 def _check_pool(pool, state_indices, num_seqs: int, heads: int) -> None:
     if pool.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"pool: expected dtype bfloat16 or float32, got {pool.dtype}")
@@ -304,8 +270,7 @@ _POOL_TARGETS = {"flashkda": contract.RECURRENCE_POOL_TARGET,
 
 
 def recurrence_pool_call(v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool,
-                         checkpoints, *, launch: RecurrenceLaunch, checkpoint_every,
-                         numerics="flashkda"):
+                         checkpoints, *, launch, checkpoint_every, numerics="flashkda"):
     """The chunk recurrence on a state pool (docs/kernel_abi.md): sequence n starts from
     pool[state_indices[n]] and writes its final state there (in place: the pool operand is
     aliased to the pool result); padding slots (index < 0 or >= P) are neither read nor
@@ -317,9 +282,8 @@ def recurrence_pool_call(v, beta, workspace, cu_seqlens, state_indices, checkpoi
     checkpoints)."""
     if v.ndim != 3:
         raise ValueError(f"v: expected [T_total, H, 128], got shape {tuple(v.shape)}")
-    if launch.kernel != "column_split":
-        raise ValueError("the pool recurrence runs the column-split kernel only")
     block_v = block_v_attribute(launch)
+    assert block_v != contract.BASELINE_BLOCK_V  # pools run the column split (jax_kda.options)
     total, heads = v.shape[0], v.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
     _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))

@@ -1,9 +1,9 @@
 """The GPU kernel path of kda_prefill and kda_decode: the kernels' flat layout, the defaults the
 custom calls need (cu_seqlens for batched input, a zero state, identity pool indices), the launch
-choice resolved for the size the kernels see, and the custom calls themselves (jax_kda._ffi).
+resolved (once) for the size the kernels see, and the custom calls themselves (jax_kda._ffi).
 
-`prefill` and `decode` take arrays of exactly their problem's shapes; jax_kda.api wraps them in
-the vmap folding (jax_kda._batching) and the head partitioning (jax_kda._partitioning).
+`prefill` and `decode` take arrays of exactly their problem's shapes: jax_kda.api runs them after
+the head partitioning (jax_kda._partitioning) and the vmap folding (jax_kda._batching).
 """
 
 from __future__ import annotations
@@ -15,54 +15,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi, _launch, _sequence_parallel, _state_pool
-from ._checks import DecodeProblem, Problem
-from ._launch import RecurrenceLaunch
 from ._manual_axes import vary_like
 from .checkpoints import checkpoint_offsets
 from .contract import HEAD_DIM
+from .problem import DecodeProblem, Problem
 
 
-@dataclasses.dataclass(frozen=True)
-class PrefillOptions:
-    inverse: str
-    launch: RecurrenceLaunch
-
-
-def prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, *, problem: Problem, inverse: str):
+def prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, *, problem: Problem):
     """The prepare kernel of problem.numerics on [B, T, ...] inputs: the workspace [H, slots,
     record bytes]."""
     return _ffi.prepare_call(
         _flat(q), _flat(k), _flat(g), _flat(beta), A_log, dt_bias, cu,
-        scale=problem.scale, lower_bound=problem.lower_bound, inverse=inverse,
+        scale=problem.scale, lower_bound=problem.lower_bound, inverse=problem.inverse,
         numerics=problem.numerics,
     )
 
 
-def plain_recurrence(v, beta, workspace, cu, state, *, problem: Problem,
-                     launch: RecurrenceLaunch):
+def plain_recurrence(v, beta, workspace, cu, state, *, problem: Problem, launch):
     """The recurrence kernel of plain prefill (no pool, no checkpoints): it takes and returns a
     bf16 state; an f32 one is rounded on entry and the result widened, which is what the
     numerics do anyway. Returns (out [B, T, H, 128], final state in problem.state_dtype)."""
-    N, H = problem.num_seqs, problem.heads
     # the kernel's state dtype: bf16 (flashkda), f32 (fp32: a bf16 state is widened exactly)
     state = _kernel_state(state, problem,
                           jnp.float32 if problem.numerics == "fp32" else jnp.bfloat16)
     out, final = _ffi.recurrence_call(_flat(v), _flat(beta), workspace, cu, state,
-                                      launch=_launch.resolve(launch, num_seqs=N, heads=H,
-                                                             numerics=problem.numerics),
-                                      numerics=problem.numerics)
-    return out.reshape(v.shape), final.astype(problem.state_dtype)
-
-
-def overlapped_prefill(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: Problem,
-                       inverse: str, launch: RecurrenceLaunch):
-    """Plain flashkda-mode prefill as one custom call that overlaps prepare and the recurrence
-    (_ffi.prefill_overlap_call). Returns (out [B, T, H, 128], final state in
-    problem.state_dtype); an f32 initial state is rounded on entry, as plain_recurrence does."""
-    state = _kernel_state(state, problem, jnp.bfloat16)
-    out, final = _ffi.prefill_overlap_call(
-        _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), A_log, dt_bias, cu, state,
-        scale=problem.scale, lower_bound=problem.lower_bound, inverse=inverse, launch=launch)
+                                      launch=launch, numerics=problem.numerics)
     return out.reshape(v.shape), final.astype(problem.state_dtype)
 
 
@@ -80,7 +57,7 @@ def _flat(x):
 
 
 def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets, *,
-            problem: Problem, options: PrefillOptions):
+            problem: Problem):
     """(out [B, T, H, 128], final state, checkpoints or None) from the kernels, for arrays of
     exactly `problem`'s shapes (vmap folding and head partitioning happen around this).
 
@@ -95,18 +72,12 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     if length is not None:
         return _fp32_on_rows(
             functools.partial(_segmented, q, k, v, g, beta, A_log, dt_bias, cu, problem=problem,
-                              options=options, length=length),
+                              length=length),
             v, cu, state, state_indices, problem=problem)
-    plain = problem.pool_rows is None and problem.checkpoint_every is None
-    launch = _launch.resolve(options.launch, num_seqs=N, heads=H, numerics=problem.numerics,
-                             tokens=B * T, baseline_allowed=plain)
-    if plain and launch.overlap:
-        out, final = overlapped_prefill(q, k, v, g, beta, A_log, dt_bias, cu, state,
-                                        problem=problem, inverse=options.inverse, launch=launch)
-        return vary_like(out, v), vary_like(final, v), None
-    workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem,
-                                  inverse=options.inverse)
-    if plain:
+    launch = _launch.resolve(problem.recurrence, num_seqs=N, heads=H, numerics=problem.numerics,
+                             tokens=B * T, baseline_allowed=problem.plain)
+    workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem)
+    if problem.plain:
         out, final = plain_recurrence(v, beta, workspace, cu, state, problem=problem,
                                       launch=launch)
         return vary_like(out, v), vary_like(final, v), None
@@ -146,17 +117,20 @@ def _fp32_on_rows(run, v, cu, state, state_indices, *, problem: Problem):
             None)
 
 
-def _segmented(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: Problem,
-               options: PrefillOptions, length: int):
+def _segmented(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: Problem, length: int):
     """(out, final state) of the fp32 mode with long sequences cut into pieces of `length`
     tokens (jax_kda._sequence_parallel): one prepare kernel, three recurrence kernels."""
+    capacity = _sequence_parallel.piece_capacity(
+        num_seqs=problem.num_seqs, total_tokens=problem.batch * problem.seqlen,
+        varlen=problem.varlen, length=length)
+    # the pieces are the kernels' sequences: every pass launches for that many
+    launch = _launch.resolve(problem.recurrence, num_seqs=capacity, heads=problem.heads,
+                             numerics="fp32")
+
     def prepare(piece_cu):
-        return prepare_workspace(q, k, g, beta, A_log, dt_bias, piece_cu, problem=problem,
-                                 inverse=options.inverse)
+        return prepare_workspace(q, k, g, beta, A_log, dt_bias, piece_cu, problem=problem)
 
     def recurrence(workspace, values, piece_cu, states):
-        launch = _launch.resolve(options.launch, num_seqs=states.shape[0], heads=problem.heads,
-                                 numerics="fp32")  # the pieces are the kernel's sequences
         return _ffi.recurrence_call(_flat(values), _flat(beta), workspace, piece_cu, states,
                                     launch=launch, numerics="fp32")
 
@@ -165,8 +139,7 @@ def _segmented(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: Problem,
     return out.reshape(v.shape), final.astype(problem.state_dtype)
 
 
-def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem,
-           inverse: str):
+def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem):
     """(out [N, t, H, 128], updated state or pool, intermediate states [N, t, H, 128, 128] or
     None) from the fused decode kernel, for arrays of exactly `problem`'s shapes; in the fp32
     mode from the fp32 prefill kernels on the t tokens (B = N, T = t)."""
@@ -177,7 +150,7 @@ def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: D
         state_indices = _state_pool.identity_indices(problem.num_seqs)
     out, pool, states = _ffi.decode_call(
         q, k, v, g, beta, A_log, dt_bias, state_indices, state, scale=problem.scale,
-        lower_bound=problem.lower_bound, inverse=inverse,
+        lower_bound=problem.lower_bound, inverse=problem.inverse,
         intermediate_states=problem.intermediate_states,
     )
     states = vary_like(states, v) if problem.intermediate_states else None
@@ -196,9 +169,8 @@ def _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
         batch=N, seqlen=t, heads=H, num_seqs=N, varlen=False, state_dtype=problem.state_dtype,
         scale=problem.scale, lower_bound=problem.lower_bound,
         pool_rows=problem.pool_rows if problem.indexed else None, numerics="fp32")
-    options = PrefillOptions("stable", _launch.RecurrenceLaunch())
     out, new_state, _ = prefill(q, k, v, g, beta, A_log, dt_bias, state, None, state_indices,
-                                None, problem=prefill_problem, options=options)
+                                None, problem=prefill_problem)
     return out, new_state, None
 
 
@@ -227,10 +199,8 @@ def _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices
         batch=1, seqlen=N * prefix_tokens, heads=H, num_seqs=N * t, varlen=True,
         state_dtype=problem.state_dtype, scale=problem.scale, lower_bound=problem.lower_bound,
         numerics="fp32")
-    options = PrefillOptions("stable", _launch.RecurrenceLaunch())
     out, finals, _ = prefill(*packed, A_log, dt_bias, jnp.repeat(initial, t, axis=0),
-                             jnp.asarray(cu, jnp.int32), None, None, problem=prefill_problem,
-                             options=options)
+                             jnp.asarray(cu, jnp.int32), None, None, problem=prefill_problem)
     longest = (seqs * prefix_tokens + prefix_start[-1] + np.arange(t)[None, :]).reshape(-1)
     out = out[0, longest].reshape(q.shape)
     states = finals.reshape((N, t) + finals.shape[1:])

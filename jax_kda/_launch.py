@@ -1,23 +1,20 @@
-"""The recurrence launch choice: which kernel runs the chunk recurrence, and how it is split.
+"""The recurrence launch: which kernel runs the chunk recurrence, and how it is split.
 
-`RecurrenceLaunch` is the one typed value that travels from kda_prefill's arguments
-(`recurrence=`, `column_split=`) down to the FFI boundary, where `_ffi` encodes it as the custom
-call's integer attribute. `requested` turns the public arguments into it (column_split None = let
-the heuristic decide); `resolve` fixes the column split for a problem's size, once the size the
-kernels see is known (after vmap folding and head sharding).
+kda_prefill's `recurrence=` is "auto", "baseline" or a column split (value columns per CTA,
+jax_kda.options.RECURRENCES). `resolve` fixes "auto" for the size the kernels see (after vmap
+folding and head sharding), once per call, at dispatch; the result travels to the FFI boundary,
+where `_ffi` encodes it as the recurrence call's `block_v` attribute.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import jax
 
-from .contract import COLUMN_SPLITS, HEAD_DIM, OVERLAP_COLUMN_SPLITS
+from .contract import HEAD_DIM
 
-RECURRENCE_KERNELS = ("auto", "column_split", "baseline")
 _DEFAULT_SM_COUNT = 132  # H200; used only when no GPU is visible at trace time
 
 # Measured on the H200 (benchmarks/results/h200-heuristic-grid-20261129.json: recurrence alone,
@@ -47,87 +44,26 @@ _SHORT_MEAN_TOKENS = 2048
 _BASELINE_MAX_MEAN_TOKENS = 1024
 
 
-@dataclasses.dataclass(frozen=True)
-class RecurrenceLaunch:
-    """kernel: "column_split" (each head's 128 value columns over 128 / column_split CTAs, state
-    in registers), "baseline" (one CTA per (sequence, head), state in shared memory) or "auto"
-    (either, chosen by `resolve`). column_split: value columns per CTA; None until resolved
-    (always None for "baseline"). overlap: run prepare and the column-split recurrence as the
-    overlapped call (the recurrence running while prepare writes the workspace; always False for
-    "baseline")."""
-
-    kernel: str = "auto"
-    column_split: int | None = None
-    overlap: bool = False
-
-    @property
-    def resolved(self) -> bool:
-        return self.kernel == "baseline" or self.column_split is not None
-
-    @property
-    def name(self) -> str:
-        """How benchmarks and messages spell it: "baseline", "bv16", ..., "auto"."""
-        if self.kernel == "baseline":
-            return "baseline"
-        name = "auto" if self.column_split is None else f"bv{self.column_split}"
-        return name + "-overlap" if self.overlap else name
+def resolve(recurrence, *, num_seqs: int, heads: int, sm_count: int | None = None,
+            numerics: str = "flashkda", tokens: int | None = None,
+            baseline_allowed: bool = False) -> int | str:
+    """The launch of a checked `recurrence` ("auto", "baseline" or a column split): "auto"
+    becomes "baseline" or a column split by the heuristic. It may become the baseline kernel only
+    where the call allows it (baseline_allowed: a plain flashkda-mode prefill, no pool or
+    checkpoints) and `tokens` (all sequences together) is known."""
+    if recurrence != "auto":
+        return recurrence
+    if (baseline_allowed and numerics == "flashkda" and tokens is not None
+            and prefers_baseline(num_seqs=num_seqs, heads=heads, tokens=tokens,
+                                 sm_count=sm_count)):
+        return "baseline"
+    return choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sm_count,
+                          numerics=numerics, tokens=tokens)
 
 
-def requested(recurrence: str, column_split, overlap=None) -> RecurrenceLaunch:
-    """The launch kda_prefill's `recurrence=`, `column_split=` and `overlap=` ask for
-    (checked). overlap=None is False: the overlapped call measured slower than the two calls at
-    every shape on the H200 (docs/perf_notes.md, "The overlapped prefill measured"), so the
-    default stays the two calls."""
-    if not isinstance(recurrence, str) or recurrence not in RECURRENCE_KERNELS:
-        raise ValueError(
-            f"kda_prefill: recurrence must be one of {RECURRENCE_KERNELS}, got {recurrence!r}"
-        )
-    if column_split is not None and (isinstance(column_split, bool)
-                                     or column_split not in COLUMN_SPLITS):
-        raise ValueError(
-            f"kda_prefill: column_split (value columns per CTA) must be None or one of "
-            f"{COLUMN_SPLITS}, got {column_split!r}"
-        )
-    if recurrence == "baseline" and column_split is not None:
-        raise ValueError(
-            f"kda_prefill: column_split={column_split!r} applies to recurrence='column_split' "
-            "only; recurrence='baseline' runs one CTA per (sequence, head): leave column_split=None"
-        )
-    if overlap is not None and not isinstance(overlap, bool):
-        raise ValueError(f"kda_prefill: overlap must be None, True or False, got {overlap!r}")
-    if recurrence == "baseline" and overlap:
-        raise ValueError("kda_prefill: overlap=True runs the column-split recurrence; "
-                         "recurrence='baseline' has no overlapped launch")
-    if overlap and column_split is not None and column_split not in OVERLAP_COLUMN_SPLITS:
-        raise ValueError(f"kda_prefill: overlap=True takes column_split in {OVERLAP_COLUMN_SPLITS} "
-                         f"or None, got {column_split!r}")
-    if recurrence == "auto" and column_split is not None:
-        recurrence = "column_split"  # a column split names the column-split kernel
-    return RecurrenceLaunch(recurrence, column_split, bool(overlap))
-
-
-def resolve(launch: RecurrenceLaunch, *, num_seqs: int, heads: int,
-            sm_count: int | None = None, numerics: str = "flashkda", tokens: int | None = None,
-            baseline_allowed: bool = False) -> RecurrenceLaunch:
-    """`launch` with its kernel and column split fixed by the heuristic where the caller left
-    them open. "auto" may become the baseline kernel only where the call allows it
-    (baseline_allowed: a plain flashkda-mode prefill, no pool or checkpoints) and `tokens` (all
-    sequences together) is known; otherwise it is the column split. The overlapped call needs
-    the same kind of call (overlap=True elsewhere is an error)."""
-    plain_flashkda = baseline_allowed and numerics == "flashkda"
-    if launch.overlap and not plain_flashkda:
-        raise ValueError("kda_prefill: overlap=True runs plain numerics='flashkda' prefill only "
-                         "(no state pools, checkpoints or numerics='fp32')")
-    if launch.resolved:
-        return launch
-    if (launch.kernel == "auto" and plain_flashkda and not launch.overlap
-            and tokens is not None and prefers_baseline(num_seqs=num_seqs, heads=heads,
-                                                        tokens=tokens, sm_count=sm_count)):
-        return RecurrenceLaunch("baseline")
-    block_v = choose_block_v(num_seqs=num_seqs, heads=heads, sm_count=sm_count,
-                             numerics=numerics, tokens=tokens)
-    assert not launch.overlap or block_v in OVERLAP_COLUMN_SPLITS  # flashkda picks 16 or 64
-    return RecurrenceLaunch("column_split", block_v, launch.overlap)
+def name(launch) -> str:
+    """How benchmarks and messages spell a launch: "baseline", "bv16", ..., "auto"."""
+    return launch if isinstance(launch, str) else f"bv{launch}"
 
 
 def prefers_baseline(*, num_seqs: int, heads: int, tokens: int,
@@ -166,8 +102,8 @@ def choose_block_v(*, num_seqs: int, heads: int, sm_count: int | None = None,
 
     32 is never picked: wherever its grid fits one wave (N * H <= SMs / 4 as well), two block_v = 16
     CTAs per SM are as fast (307 vs 308 us); past one wave it loses to 64. 128 (one CTA per head)
-    is never the fastest either. Both stay available through column_split=, and
-    recurrence="baseline" runs the FlashKDA-structured kernel.
+    is never the fastest either. Both stay available through kda_prefill(recurrence=32 or 128),
+    and recurrence="baseline" runs the FlashKDA-structured kernel.
     """
     sms = sm_count or gpu_sm_count()
     tasks = num_seqs * heads

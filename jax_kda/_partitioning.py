@@ -17,6 +17,7 @@ Two mechanisms, chosen by what the inputs' types say at trace time:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -68,28 +69,47 @@ def _mesh_axes_size(mesh, mesh_axes) -> int:
     return math.prod(mesh.shape[name] for name in names)
 
 
-def over_heads(call_for_heads, layout: Layout, heads: int, arrays):
-    """call_for_heads(h)(*arrays) on each device's local heads (h = H / devices on the head axes).
+def local_problem(problem, devices: int):
+    """`problem` on one of `devices` devices that split its heads."""
+    return dataclasses.replace(problem, heads=problem.heads // devices)
 
-    arrays: the call's arguments in layout order (None for absent ones). The call returns a
-    tuple in layout.results order (None for absent results).
+
+def over_heads(step, layout: Layout, arrays, problem):
+    """step(*arrays, problem=problem) on each device's local heads, under jax.experimental.
+    custom_partitioning (the `problem` a device sees has its local head count).
+
+    arrays: the call's arguments in layout order (None for absent ones); step returns a tuple in
+    layout.results order (None for absent results), shaped as problem.result_shapes().
     """
     present = _present(arrays)
-    given = [arrays[i] for i in present]
-    shapes = jax.eval_shape(call_for_heads(heads), *arrays)
+    ranks = tuple(arrays[i].ndim for i in present)
+    partitioned = _partitioned(step, layout, problem, present, ranks)
+    results = partitioned(*(arrays[i] for i in present))
+    return tuple(_fill(_present(problem.result_shapes()), len(layout.results), results))
+
+
+@functools.lru_cache(maxsize=256)
+def _local_body(step, problem, present, count):
+    """step on the present arrays alone, jitted: custom_partitioning takes a body without
+    closed-over constants, which a jit boundary keeps inside its own jaxpr. Cached, so that
+    eager calls of one configuration reuse one compiled program."""
+    out_present = _present(problem.result_shapes())
+
+    @functools.partial(jax.jit, inline=True)
+    def body(*xs):
+        results = step(*_fill(present, count, xs), problem=problem)
+        return tuple(results[i] for i in out_present)
+
+    return body
+
+
+@functools.lru_cache(maxsize=256)
+def _partitioned(step, layout: Layout, problem, present, ranks):
+    """The custom_partitioning wrapper of step for one configuration (cached, as _local_body)."""
+    count = len(layout.args)
+    shapes = problem.result_shapes()
     out_present = _present(shapes)
-
-    def body_for(h):
-        # jitted: custom_partitioning takes a body without closed-over constants, which a jit
-        # boundary keeps inside its own jaxpr
-        @jax.jit
-        def body(*xs):
-            results = call_for_heads(h)(*_fill(present, len(arrays), xs))
-            return tuple(results[i] for i in out_present)
-
-        return body
-
-    partitioned = custom_partitioning(body_for(heads))
+    partitioned = custom_partitioning(_local_body(step, problem, present, count))
 
     def partition(mesh, arg_shapes, result_shape):
         first = present[0]  # q: its head axis tells the mesh axes
@@ -97,7 +117,7 @@ def over_heads(call_for_heads, layout: Layout, heads: int, arrays):
         axis = layout.args[first]
         mesh_axes = spec[axis] if axis < len(spec) else None
         devices = _mesh_axes_size(mesh, mesh_axes)
-        if heads % devices:
+        if problem.heads % devices:
             mesh_axes, devices = None, 1  # not divisible: every device runs every head
         arg_shardings = tuple(
             NamedSharding(mesh, _head_spec(len(s.shape), layout.args[i], mesh_axes))
@@ -106,16 +126,17 @@ def over_heads(call_for_heads, layout: Layout, heads: int, arrays):
         out_shardings = tuple(
             NamedSharding(mesh, _head_spec(len(s.shape), layout.results[i], mesh_axes))
             for i, s in zip(out_present, result_shapes))
-        return mesh, body_for(heads // devices), out_shardings, arg_shardings
+        body = _local_body(step, local_problem(problem, devices), present, count)
+        return mesh, body, out_shardings, arg_shardings
 
     factors = []
     replicated = []
-    for tag, axes, values in (("i", layout.args, given), ("o", layout.results, None)):
-        indices = present if values is not None else out_present
-        source = given if values is not None else [shapes[i] for i in out_present]
-        for number, (i, x) in enumerate(zip(indices, source)):
+    for tag, axes, indices, rank_of in (
+            ("i", layout.args, present, dict(zip(present, ranks))),
+            ("o", layout.results, out_present, {i: len(shapes[i].shape) for i in out_present})):
+        for number, i in enumerate(indices):
             names = []
-            for d in range(len(x.shape)):
+            for d in range(rank_of[i]):
                 if d == axes[i]:
                     names.append("h")
                 else:
@@ -123,12 +144,11 @@ def over_heads(call_for_heads, layout: Layout, heads: int, arrays):
                     names.append(name)
                     replicated.append(name)
             factors.append(" ".join(names))
-    n_in = len(given)
+    n_in = len(present)
     rule = ", ".join(factors[:n_in]) + " -> " + ", ".join(factors[n_in:])
     partitioned.def_partition(partition, sharding_rule=rule,
                               need_replication_factors=tuple(replicated))
-    results = partitioned(*given)
-    return tuple(_fill(out_present, len(shapes), results))
+    return partitioned
 
 
 def explicit_head_mesh(x, head_axis: int):
@@ -149,21 +169,23 @@ def explicit_head_mesh(x, head_axis: int):
     return mesh, axes
 
 
-def shard_over_heads(fn, layout: Layout, arrays, mesh, mesh_axes):
-    """fn(*arrays) under jax.shard_map: every array split on its head axis over `mesh_axes`,
-    replicated on everything else; fn sees each device's local heads and no collective runs.
-    Inputs on meshes with Explicit axes are resharded to that layout first (a no-op where they
-    already carry it)."""
+def shard_over_heads(step, layout: Layout, arrays, problem, mesh, mesh_axes):
+    """step(*arrays, problem=problem) under jax.shard_map: every array split on its head axis over
+    `mesh_axes`, replicated on everything else; step sees each device's local heads (and the
+    problem with the local head count) and no collective runs. Inputs on meshes with Explicit
+    axes are resharded to that layout first (a no-op where they already carry it)."""
     present = _present(arrays)
     specs = [_head_spec(arrays[i].ndim, layout.args[i], mesh_axes) for i in present]
     given = [_placed(arrays[i], mesh, spec) for i, spec in zip(present, specs)]
     result_specs = tuple(_head_spec(rank, axis, mesh_axes)
                          for rank, axis in zip(layout.result_ranks, layout.results))
+    local = local_problem(problem, _mesh_axes_size(mesh, mesh_axes))
+    run = functools.partial(_on_shard, step, present, len(arrays), local)
+    return jax.shard_map(run, mesh=mesh, in_specs=tuple(specs), out_specs=result_specs)(*given)
 
-    def local(*xs):
-        return fn(*_fill(present, len(arrays), xs))
 
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=result_specs)(*given)
+def _on_shard(step, present, count, problem, *xs):
+    return step(*_fill(present, count, xs), problem=problem)
 
 
 def _placed(x, mesh, spec):

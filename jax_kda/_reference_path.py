@@ -10,26 +10,26 @@ import jax
 import jax.numpy as jnp
 
 from . import _sequence_parallel, _state_pool, reference, reference_fp32
-from ._checks import DecodeProblem, Problem
 from .checkpoints import checkpoint_offsets
+from .problem import DecodeProblem, Problem
 
 
 # Jitted so that eager calls compile once per shape instead of dispatching op by op (seconds per
 # call on CPU); inside an outer jit it is simply inlined.
-@functools.partial(jax.jit, static_argnames=("problem", "inverse"))
+@functools.partial(jax.jit, static_argnames=("problem",))
 def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets=None, *,
-            problem: Problem, inverse: str):
+            problem: Problem):
     """(out, final state or updated pool, checkpoints or None), as the kernel path returns."""
     pooled = state_indices is not None
     state0 = _state_pool.gather(state, state_indices) if pooled else state
     if problem.numerics == "fp32":
         out, final, *ckpts = _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu,
-                                           ckpt_offsets, problem=problem, inverse=inverse)
+                                           ckpt_offsets, problem=problem)
     else:
         out, final, *ckpts = reference.kda_prefill_reference(
             q, k, v, g, beta, A_log, dt_bias, scale=problem.scale,
             lower_bound=problem.lower_bound, initial_state=state0, cu_seqlens=cu,
-            inverse=inverse, checkpoint_every=problem.checkpoint_every,
+            inverse=problem.inverse, checkpoint_every=problem.checkpoint_every,
             checkpoint_offsets=ckpt_offsets,
             checkpoint_rows=problem.checkpoint_capacity if problem.checkpoint_every else None,
         )
@@ -46,12 +46,12 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
 
 
 def _prefill_fp32(q, k, v, g, beta, A_log, dt_bias, state0, cu, ckpt_offsets, *,
-                  problem: Problem, inverse: str):
+                  problem: Problem):
     """The fp32 reference, serial or cut into pieces as the kernel path cuts them (the same
     plan for "auto", with the visible GPU's SM count or the H200's): (out, final state), plus
     the checkpoints with checkpoint_every (always serial)."""
     run = functools.partial(reference_fp32.kda_prefill_reference_fp32, scale=problem.scale,
-                            lower_bound=problem.lower_bound, inverse=inverse)
+                            lower_bound=problem.lower_bound, inverse=problem.inverse)
     length = _sequence_parallel.resolved_length(problem)
     if problem.checkpoint_every is not None:
         return run(q, k, v, g, beta, A_log, dt_bias, initial_state=state0, cu_seqlens=cu,
@@ -84,9 +84,8 @@ def _padding_checkpoints(problem: Problem, cu, padding, offsets=None):
     return inside & padding[jnp.clip(owner, 0, problem.num_seqs - 1)]
 
 
-@functools.partial(jax.jit, static_argnames=("problem", "inverse"))
-def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem,
-           inverse: str):
+@functools.partial(jax.jit, static_argnames=("problem",))
+def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem):
     """(out, new state or updated pool, intermediate states or None): the prefill reference on
     the t tokens (B = N, T = t), and on each prefix of them for the intermediate states."""
     pooled = state_indices is not None
@@ -95,7 +94,7 @@ def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: D
                          else reference.kda_prefill_reference)
     run = functools.partial(prefill_reference, scale=problem.scale,
                             lower_bound=problem.lower_bound, initial_state=state0,
-                            inverse=inverse)
+                            inverse=problem.inverse)
     out, final = run(q, k, v, g, beta, A_log, dt_bias)
     states = None
     if problem.intermediate_states:

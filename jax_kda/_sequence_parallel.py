@@ -30,7 +30,6 @@ kernel, the reference path the fp32 reference.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax.numpy as jnp
 from jax import lax
@@ -38,29 +37,6 @@ from jax import lax
 from . import _launch
 from ._manual_axes import vary_like
 from .contract import CHUNK, HEAD_DIM
-
-MODES = ("auto", "off")
-
-
-def check(value, *, numerics: str, checkpoint_every) -> int | str:
-    """The segments a kda_prefill call asks for: 1 (serial), a count n > 1, or "auto"."""
-    is_count = (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                and value >= 1)
-    if not (is_count or (isinstance(value, str) and value in MODES)):
-        raise ValueError(f"kda_prefill: sequence_parallel must be 'auto', 'off' or a segment "
-                         f"count >= 1, got {value!r}")
-    if isinstance(value, str):
-        return "auto" if value == "auto" and numerics == "fp32" and checkpoint_every is None else 1
-    if value > 1 and numerics != "fp32":
-        raise ValueError("kda_prefill: sequence_parallel segments need numerics='fp32' (its "
-                         "rounding differs from the serial kernels, so the bitwise FlashKDA "
-                         "mode has none)")
-    if value > 1 and checkpoint_every is not None:
-        raise ValueError("kda_prefill: sequence_parallel segments and checkpoint_every exclude "
-                         "each other (a checkpoint is the serial recurrence's state, bitwise); "
-                         "pass sequence_parallel='off' or 'auto' with checkpoints")
-    return int(value)
-
 
 def segment_length(longest: int, segments: int) -> int:
     """Tokens per segment when the longest sequence a call can hold (`longest` tokens) is cut
@@ -99,7 +75,7 @@ def pieces(cu, *, capacity: int, length: int):
 
 def prefill(prepare, recurrence, v, state, cu, *, problem, length: int):
     """(out, final states f32 [N, H, 128, 128]) of the fp32 mode for `problem`
-    (jax_kda._checks.Problem) with long sequences cut into pieces of `length` tokens.
+    (jax_kda.problem.Problem) with long sequences cut into pieces of `length` tokens.
 
     prepare(piece_cu) -> workspace (any value) for the pieces as packed sequences;
     recurrence(workspace, v, piece_cu, states f32 [P, H, 128, 128]) -> (out, end states f32
@@ -176,7 +152,7 @@ def _cut_length(problem, segments: int) -> int | None:
 
 
 def with_segments(problem, segments):
-    """`problem` (jax_kda._checks.Problem) with its sequence parallelism: segments = 1 (serial),
+    """`problem` (jax_kda.problem.Problem) with its sequence parallelism: segments = 1 (serial),
     a count n (the longest possible sequence cut into n pieces) or "auto" (planned by the kernel
     path for the size it sees)."""
     if segments == "auto":

@@ -44,7 +44,7 @@ def identity_indices(num_seqs: int):
 
 
 def padding_tokens(problem, cu, padding):
-    """bool [B, T]: the tokens of a prefill `problem` (jax_kda._checks.Problem) that belong to a
+    """bool [B, T]: the tokens of a prefill `problem` (jax_kda.problem.Problem) that belong to a
     padding sequence (padding: bool [N]); cu: None (batched) or int32 [N + 1]."""
     if cu is None:
         return jnp.broadcast_to(padding[:, None], (problem.batch, problem.seqlen))

@@ -1,25 +1,27 @@
-"""The public entry points, kda_prefill and kda_decode: their signatures, the argument checks and
-the backend switch. The kernel path lives in jax_kda._kernel_path, the reference path in
-jax_kda._reference_path; both compute the same function (docs/numerics.md)."""
+"""The public entry points, kda_prefill and kda_decode.
+
+Every call runs the same steps:
+  1. check: shapes, dtypes and options (jax_kda._checks, jax_kda.options) -> a Problem
+     (jax_kda.problem), the static description of the call;
+  2. partition over heads, so that each device runs its own (jax_kda._partitioning), and
+  3. fold vmap: a vmapped axis becomes batch, sequences or heads of one call (jax_kda._batching),
+     in the order the mechanism needs: with the heads sharded on Explicit mesh axes, shard_map
+     (which batches itself) around the folding; otherwise the folding around
+     custom_partitioning (which has no batching rule);
+  4. dispatch to a backend for the exact shapes: the GPU kernels (jax_kda._kernel_path, which
+     resolves the launch) or the pure-JAX reference (jax_kda._reference_path).
+backend="reference" is plain JAX after step 1: XLA partitions, vmaps and differentiates it.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 from jax import lax
 
-from . import (
-    _batching,
-    _checks,
-    _ffi,
-    _kernel_path,
-    _launch,
-    _partitioning,
-    _reference_path,
-    _sequence_parallel,
-)
+from . import _batching, _checks, _ffi, _kernel_path, _partitioning, _reference_path
+from .problem import DecodeProblem, Problem
 
 
 class KdaInferenceOnlyError(NotImplementedError):
@@ -37,15 +39,13 @@ def kda_prefill(
     initial_state=None,
     output_final_state=False,
     cu_seqlens=None,
-    inverse="stable",
-    backend="auto",
-    column_split=None,
-    recurrence="auto",
     state_indices=None,
     checkpoint_every=None,
     numerics="flashkda",
+    inverse="stable",
     sequence_parallel="auto",
-    overlap=None,
+    recurrence="auto",
+    backend="auto",
 ):
     """Kimi Delta Attention prefill (chunked delta-rule recurrence), forward only.
 
@@ -61,22 +61,13 @@ def kda_prefill(
         bf16 with numerics="flashkda" and f32 with numerics="fp32"); with state_indices, the
         updated pool.
       cu_seqlens: None, or int32/int64 [N+1] with B == 1: packed variable-length sequences.
-      inverse: "stable" (default) or "neumann" (FlashKDA v1's; NaN/Inf on near-collinear keys).
-      backend: "auto" (GPU kernels on CUDA when built, else the reference, decided per platform
-        at lowering), "kernel" (raise if unavailable) or "reference" (pure JAX, differentiable).
-      column_split: None (launch heuristic) or value columns per CTA in {16, 32, 64, 128}.
-      recurrence: which recurrence kernel: "auto" (default: the baseline kernel for plain
-        flashkda-mode prefill of short sequences, <= 1024 tokens on average, with more
-        (sequence, head) pairs than SMs, where it was measured fastest; else the column split),
-        "column_split" (each head's value columns split over 128 / column_split CTAs; implied by
-        a column_split value) or "baseline" (one CTA per (sequence, head), state in shared
-        memory; column_split must then be None; no pools or checkpoints). All give bitwise the
-        same results; the reference backend ignores it.
       state_indices: None, or int32 [N]: sequence n starts from row state_indices[n] of the pool
         `initial_state` and its final state is written back to that row (in place when the pool
         is donated); other rows are untouched. A negative index marks a padding slot: no row is
-        read or written and the sequence's outputs are zero. Values >= P cannot be checked under
-        jit and are treated as padding.
+        read or written and the sequence's outputs are zero. Values >= P and repeated rows are
+        rejected when the indices are concrete; under jit they cannot be checked: an index >= P
+        is treated as padding, and sequences sharing a row race for it (which one's final state
+        it holds is undefined; nothing outside the pool is touched).
       checkpoint_every: None, or a positive multiple n of 16: also return each sequence's states
         after n, 2n, ... tokens strictly before its end (jax_kda.checkpoints says where each is).
         Not with sequence_parallel segments.
@@ -87,6 +78,7 @@ def kda_prefill(
         exact computation, bitwise equal across column splits and runs, not bitwise FlashKDA's.
         It takes inverse="stable" and the column-split recurrence; an f32 initial state is read
         without rounding, a bf16 one widened.
+      inverse: "stable" (default) or "neumann" (FlashKDA v1's; NaN/Inf on near-collinear keys).
       sequence_parallel: (numerics="fp32"; the default mode is always serial) "auto"
         (default): cut long sequences where a time model of the kernels, fitted on the H200,
         predicts it faster (batched input or one packed sequence, few heads: e.g. one head at
@@ -97,18 +89,23 @@ def kda_prefill(
         exactly (jax_kda._sequence_parallel, docs/fp32_mode.md section 8). As accurate as the
         serial mode, not bitwise equal to it, so "auto" results depend on the call's shapes
         and the GPU's SM count; "off" or a fixed n does not. The reference backend plans alike.
-      overlap: None or False (default): prepare and the recurrence as two calls, one after the
-        other. True (opt-in; on the H200 slower than the two calls at every measured shape,
-        BENCHMARKS.md 2026-12-02; plain numerics="flashkda" prefill, column-split recurrence,
-        column_split None, 16, 32 or 64): one call in which the recurrence may start while
-        prepare still writes the workspace, waiting for each chunk's record (docs/kernel_abi.md
-        "Overlapped prefill"); side by side only where the recurrence's CTAs are fewer than the
-        GPU's SMs, else one after the other. Same bits either way, and no deadlock however the
-        GPU schedules the two (prepare never waits for the recurrence).
+      recurrence: how the chunk recurrence is launched: "auto" (default: the launch heuristic,
+        jax_kda._launch: the baseline kernel for plain flashkda-mode prefill of short sequences,
+        <= 1024 tokens on average, with more (sequence, head) pairs than SMs, where it was
+        measured fastest; else a column split), "baseline" (one CTA per (sequence, head), state in
+        shared memory; numerics="flashkda" without pools or checkpoints) or 16, 32, 64, 128 (the
+        column split: each head's 128 value columns over 128 / n CTAs of n columns, state in
+        registers). Every launch gives bitwise the same results; the reference backend ignores
+        it.
+      backend: "auto" (GPU kernels on CUDA when built, else the reference, decided per platform
+        at lowering), "kernel" (raise if unavailable) or "reference" (pure JAX, differentiable).
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the
       state's dtype as a third element when checkpoint_every is given.
+
+    Every option is checked when the call is traced, before a backend is chosen
+    (jax_kda.options), so a call raises the same error on every backend.
 
     JAX transformations: jax.jit and jax.export work (see jax_kda.export for the disabled safety
     checks); under jax.vmap the kernel path folds the vmapped axis into B, N or H and still makes
@@ -118,41 +115,16 @@ def kda_prefill(
     heads are partitioned over heads: each device runs its local heads (jax_kda._partitioning);
     jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports.
     """
-    _checks.check_options("kda_prefill", inverse, backend, numerics)
-    launch = _launch.requested(recurrence, column_split, overlap)
     problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        state_indices=state_indices, checkpoint_every=checkpoint_every, numerics=numerics,
-    )
-    problem = _sequence_parallel.with_segments(problem, _sequence_parallel.check(
-        sequence_parallel, numerics=numerics, checkpoint_every=checkpoint_every))
-    if launch.kernel == "baseline" and numerics == "fp32":
-        raise ValueError(
-            "kda_prefill: recurrence='baseline' runs numerics='flashkda' only; numerics='fp32' "
-            "runs the column-split recurrence (recurrence='column_split')"
-        )
-    if launch.kernel == "baseline" and (state_indices is not None or checkpoint_every is not None):
-        raise ValueError(
-            "kda_prefill: recurrence='baseline' runs plain prefill only; state pools "
-            "(state_indices) and checkpoint_every need recurrence='column_split'"
-        )
-    cu32 = None if cu_seqlens is None else cu_seqlens.astype("int32")
-    arrays = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu32, state_indices)
-    explicit = _partitioning.explicit_head_mesh(q, head_axis=2)
-    if explicit is not None:  # heads sharded in the types: run the local heads under shard_map
-        options = {"scale": problem.scale, "lower_bound": problem.lower_bound,
-                   "inverse": inverse, "backend": backend, "column_split": column_split,
-                   "recurrence": recurrence, "checkpoint_every": checkpoint_every,
-                   "numerics": numerics, "sequence_parallel": sequence_parallel,
-                   "overlap": overlap}
-        out, final_state, checkpoints = _partitioning.shard_over_heads(
-            functools.partial(_local_prefill, options=options), _partitioning.PREFILL,
-            (*arrays, None), *explicit)
-    else:
-        run = _prefill_backend(problem, inverse, launch, backend)
-        out, final_state, checkpoints = _call(run, arrays, differentiable=backend == "reference")
-    final_state = final_state.astype(problem.state_dtype) if output_final_state else None
+        initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, state_indices=state_indices, checkpoint_every=checkpoint_every,
+        numerics=numerics, inverse=inverse, sequence_parallel=sequence_parallel,
+        recurrence=recurrence, backend=backend)
+    cu = None if cu_seqlens is None else cu_seqlens.astype("int32")
+    arrays = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu, state_indices, None)
+    out, final_state, checkpoints = run_checked(arrays, problem)
+    final_state = final_state if output_final_state else None
     if checkpoint_every is None:
         return out, final_state
     return out, final_state, checkpoints
@@ -164,10 +136,10 @@ def kda_decode(
     state_indices=None,
     scale=None,
     lower_bound=-5.0,
-    inverse="stable",
-    backend="auto",
     output_intermediate_states=False,
     numerics="flashkda",
+    inverse="stable",
+    backend="auto",
 ):
     """A KDA decode (or speculative-verify) step: t <= 16 new tokens per sequence, from and to
     a state per sequence or a state pool.
@@ -180,8 +152,9 @@ def kda_decode(
       state: bf16 or f32 [N, H, 128, 128], or with state_indices a pool [P, H, 128, 128].
       state_indices: None or int32 [N]: sequence n reads and writes pool row state_indices[n];
         rows not indexed are untouched; a negative index (or, under jit, one >= P) marks a
-        padding slot: no read, no write, zero outputs.
-      scale, lower_bound, inverse, backend: as kda_prefill.
+        padding slot: no read, no write, zero outputs. Repeated rows are rejected when the
+        indices are concrete; under jit the sequences sharing a row race for it.
+      scale, lower_bound: as kda_prefill.
       output_intermediate_states: also return the state after each of the t tokens
         ([N, t, H, 128, 128], the state's dtype; entry i is bitwise kda_prefill's final state
         on the first i + 1 tokens), for speculative decoding that accepts a prefix. With
@@ -189,108 +162,113 @@ def kda_decode(
         prefill (t (t + 1) / 2 tokens per sequence instead of t).
       numerics: as kda_prefill; "fp32" runs kda_prefill's fp32 kernels on the t tokens (there
         is no fused fp32 decode kernel) and is bitwise kda_prefill(numerics="fp32") on them.
+      inverse, backend: as kda_prefill.
 
     Returns:
       (out bf16 [N, t, H, 128], new state or updated pool), plus the intermediate states as a
       third element when asked for. The update is in place when the caller donates `state`
       (jax.jit(..., donate_argnames="state")).
     """
-    _checks.check_options("kda_decode", inverse, backend, numerics)
     problem = _checks.check_decode(
         q, k, v, g, beta, A_log, dt_bias, state=state, state_indices=state_indices, scale=scale,
         lower_bound=lower_bound, output_intermediate_states=output_intermediate_states,
-        numerics=numerics,
-    )
+        numerics=numerics, inverse=inverse, backend=backend)
     arrays = (q, k, v, g, beta, A_log, dt_bias, state, state_indices)
-    explicit = _partitioning.explicit_head_mesh(q, head_axis=2)
-    if explicit is not None:  # heads sharded in the types: run the local heads under shard_map
-        options = {"scale": problem.scale, "lower_bound": problem.lower_bound,
-                   "inverse": inverse, "backend": backend,
-                   "output_intermediate_states": output_intermediate_states,
-                   "numerics": numerics}
-        out, new_state, states = _partitioning.shard_over_heads(
-            functools.partial(_local_decode, options=options), _partitioning.DECODE, arrays,
-            *explicit)
-    else:
-        run = _decode_backend(problem, inverse, backend)
-        out, new_state, states = _call(run, arrays, differentiable=backend == "reference")
+    out, new_state, states = run_checked(arrays, problem)
     if output_intermediate_states:
         return out, new_state, states
     return out, new_state
 
 
-def _local_prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets, *,
-                   options):
-    """kda_prefill on one device's heads (inside shard_map), results in layout order."""
-    out, final_state, *checkpoints = kda_prefill(
-        q, k, v, g, beta, A_log, dt_bias, initial_state=state, cu_seqlens=cu,
-        state_indices=state_indices, output_final_state=True, **options)
-    return out, final_state, (checkpoints[0] if checkpoints else None)
+def run_checked(arrays, problem, mesh=None):
+    """Steps 2-4 on checked arrays, in layout order (jax_kda._partitioning.PREFILL / DECODE,
+    None for absent ones), for a Problem (kda_prefill) or a DecodeProblem (kda_decode).
+    Returns kda_prefill's (out, final state or pool, checkpoints or None), the final state in
+    problem.state_dtype, or kda_decode's (out, new state or pool, intermediate states or None).
+    mesh: None (the heads' Explicit mesh axes in q's type, if any, else custom_partitioning) or
+    (mesh, mesh axes) to split the heads over with shard_map."""
+    if mesh is None:
+        mesh = _partitioning.explicit_head_mesh(arrays[0], head_axis=2)
+    layout = _partitioning.PREFILL if isinstance(problem, Problem) else _partitioning.DECODE
+    if problem.backend == "reference":
+        if mesh is None:
+            return reference_step(*arrays, problem=problem)
+        return _partitioning.shard_over_heads(reference_step, layout, arrays, problem, *mesh)
+    if problem.backend == "kernel":
+        _require_kernels()
+    present = tuple(i for i, a in enumerate(arrays) if a is not None)
+    return _inference_only(layout, present, mesh, problem, *(arrays[i] for i in present))
 
 
-def _local_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, options):
-    """kda_decode on one device's heads (inside shard_map), results in layout order."""
-    out, new_state, *states = kda_decode(q, k, v, g, beta, A_log, dt_bias, state=state,
-                                         state_indices=state_indices, **options)
-    return out, new_state, (states[0] if states else None)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), inline=True)
+def _inference_only(layout, present, mesh, problem, *given):
+    """Steps 2-4 of the kernel backends, jitted (an eager call compiles once per configuration)
+    and with every derivative refused."""
+    arrays = [None] * len(layout.args)
+    for i, a in zip(present, given):
+        arrays[i] = a
+    if mesh is not None:
+        return _partitioning.shard_over_heads(folded_dispatch, layout, arrays, problem, *mesh)
+    return _fold(partitioned_dispatch, problem)(*arrays)
 
 
-def _prefill_backend(problem, inverse, launch, backend):
-    """fn(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices) -> (out, final_state,
-    checkpoints or None) on the chosen backend. The kernel backends fold vmapped axes into one
-    call and partition over heads; the reference is plain JAX (XLA partitions and vmaps it)."""
-    if backend == "reference":
-        return functools.partial(_reference_path.prefill, problem=problem, inverse=inverse)
-    for_problem = _on_local_heads(
-        functools.partial(_kernel_path.prefill,
-                          options=_kernel_path.PrefillOptions(inverse, launch)),
-        functools.partial(_reference_path.prefill, inverse=inverse),
-        _partitioning.PREFILL, backend)
-    folded = _batching.with_folding_vmap(for_problem, problem)
-    return lambda *arrays: folded(*arrays, None)  # checkpoint offsets: computed from cu
+@_inference_only.defjvp
+def _no_derivative(layout, present, mesh, problem, primals, tangents):
+    raise KdaInferenceOnlyError(
+        "jax_kda is inference-only with backend='kernel' or 'auto': the GPU kernels have "
+        "no backward pass. For derivatives call it with backend='reference', the pure-JAX "
+        "implementation, which JAX differentiates by autodiff."
+    )
 
 
-def _decode_backend(problem, inverse, backend):
-    """fn(q, k, v, g, beta, A_log, dt_bias, state, state_indices) -> (out, state, states or
-    None) on the chosen backend, folded and partitioned as _prefill_backend."""
-    if backend == "reference":
-        return functools.partial(_reference_path.decode, problem=problem, inverse=inverse)
-    for_problem = _on_local_heads(
-        functools.partial(_kernel_path.decode, inverse=inverse),
-        functools.partial(_reference_path.decode, inverse=inverse),
-        _partitioning.DECODE, backend)
-    return _batching.with_decode_folding_vmap(for_problem, problem)
+def reference_step(*arrays, problem):
+    """The reference backend on arrays of problem's shapes (plain JAX)."""
+    if isinstance(problem, Problem):
+        return _reference_path.prefill(*arrays, problem=problem)
+    return _reference_path.decode(*arrays, problem=problem)
 
 
-def _on_local_heads(kernel_fn, reference_fn, layout, backend):
-    """for_problem(*arrays, problem): the call on each device's heads (jax_kda._partitioning),
-    the kernels or the reference by platform; both functions take problem= for the local
-    head count."""
-
-    def for_problem(*arrays, problem):
-        def call_for_heads(heads):
-            local = dataclasses.replace(problem, heads=heads)
-            return _by_platform(functools.partial(kernel_fn, problem=local),
-                                functools.partial(reference_fn, problem=local), backend)
-
-        return _partitioning.over_heads(call_for_heads, layout, problem.heads, arrays)
-
-    return for_problem
+def folded_dispatch(*arrays, problem):
+    """Steps 3-4: the vmap folding around the dispatch (on one device's heads under shard_map)."""
+    return _fold(dispatch, problem)(*arrays)
 
 
-def _by_platform(kernel_fn, reference_fn, backend):
+def partitioned_dispatch(*arrays, problem):
+    """Steps 2 and 4: each device's heads under custom_partitioning, then the dispatch."""
+    layout = _partitioning.PREFILL if isinstance(problem, Problem) else _partitioning.DECODE
+    return _partitioning.over_heads(dispatch, layout, arrays, problem)
+
+
+def _fold(step, problem):
+    if isinstance(problem, Problem):
+        return _batching.with_folding_vmap(step, problem)
+    return _batching.with_decode_folding_vmap(step, problem)
+
+
+def dispatch(*arrays, problem):
+    """Step 4: the kernels or the reference, for arrays of exactly problem's shapes."""
+    if isinstance(problem, Problem):
+        kernel_fn, reference_fn = _kernel_path.prefill, _reference_path.prefill
+    else:
+        kernel_fn, reference_fn = _kernel_path.decode, _reference_path.decode
+    return _by_platform(kernel_fn, reference_fn, problem)(*arrays)
+
+
+def _by_platform(kernel_fn, reference_fn, problem):
     """backend="kernel": always the kernels; "auto": kernels where lowered for CUDA (and built
     for the visible GPUs), else the reference."""
-    if backend == "kernel":
-        _require_kernels()
+    kernel_fn = functools.partial(kernel_fn, problem=problem)
+    reference_fn = functools.partial(reference_fn, problem=problem)
+    if problem.backend == "kernel":
         return kernel_fn
     if not _ffi.kernels_available() or not _kernels_fit_visible_gpus():
         return reference_fn
+    return functools.partial(_platform_dependent, kernel_fn, reference_fn)
 
-    def auto(*arrays):
-        return lax.platform_dependent(*arrays, cuda=kernel_fn, default=reference_fn)
 
-    return auto
+def _platform_dependent(kernel_fn, reference_fn, *arrays):
+    return lax.platform_dependent(*arrays, cuda=kernel_fn, default=reference_fn)
 
 
 def _kernels_fit_visible_gpus() -> bool:
@@ -311,29 +289,3 @@ def _require_kernels() -> None:
             "backend='kernel' needs a CUDA GPU with kernels built for it (sm_90, sm_100) "
             f"visible to JAX; found {jax.devices()}. Use backend='auto' or 'reference'."
         )
-
-
-def _call(fn, arrays, *, differentiable: bool):
-    """fn(*arrays); unless differentiable (the reference backend), any derivative of it fails
-    with a clear message."""
-    if differentiable:
-        return fn(*arrays)
-    present = [i for i, a in enumerate(arrays) if a is not None]
-
-    def call(*given):
-        full = list(arrays)
-        for i, a in zip(present, given):
-            full[i] = a
-        return fn(*full)
-
-    guarded = jax.custom_jvp(call)
-
-    @guarded.defjvp
-    def _no_derivative(primals, tangents):
-        raise KdaInferenceOnlyError(
-            "jax_kda is inference-only with backend='kernel' or 'auto': the GPU kernels have "
-            "no backward pass. For derivatives call it with backend='reference', the pure-JAX "
-            "implementation, which JAX differentiates by autodiff."
-        )
-
-    return guarded(*(arrays[i] for i in present))

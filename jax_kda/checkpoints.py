@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from . import options
+
 
 def checkpoint_capacity(batch: int, seqlen: int, varlen: bool, checkpoint_every) -> int:
     """Rows of the packed checkpoint array: exact for batched input (B sequences of T tokens), an
@@ -47,8 +49,9 @@ def checkpoint_offsets(cu_seqlens, checkpoint_every: int, total_tokens=None):
     into [0, total_tokens] (default cu_seqlens[-1]) as the kernels clamp them. For batched input
     use `cu_seqlens = arange(B + 1) * T`.
     """
-    if checkpoint_every <= 0 or checkpoint_every % 16:
-        raise ValueError(f"checkpoint_every must be a positive multiple of 16, got {checkpoint_every}")
+    if options.check_checkpoint_every("checkpoint_offsets", checkpoint_every) is None:
+        raise ValueError("checkpoint_offsets: checkpoint_every must be a positive multiple of "
+                         "16, got None")
     xp = jnp if not isinstance(cu_seqlens, np.ndarray) else np
     cu = xp.asarray(cu_seqlens).astype(xp.int32)
     total = cu[-1] if total_tokens is None else total_tokens

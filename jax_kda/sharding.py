@@ -13,7 +13,9 @@ this one (on meshes with Explicit axes) or by shard_map itself (Auto axes).
         jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp", output_final_state=True))(
         q, k, v, g, beta, A_log, dt_bias)
 
-`mesh=None` takes the context mesh (`with jax.set_mesh(mesh):`). Other mesh axes are left alone:
+The arguments are checked as kda_prefill / kda_decode check them, on the global shapes and, where
+concrete, the values of cu_seqlens and state_indices. `mesh=None` takes the context mesh
+(`with jax.set_mesh(mesh):`). Other mesh axes are left alone:
 arrays sharded on them (for example B over a data-parallel axis) are gathered to the head layout,
 so shard only H, or wrap your own shard_map around kda_prefill when you shard more axes.
 
@@ -23,15 +25,14 @@ _partitioning); this function is the form that also exports (jax.export) on seve
 
 from __future__ import annotations
 
-import functools
-
 import jax
 
-from . import _partitioning
-from .api import _local_decode, _local_prefill, kda_decode, kda_prefill
+from . import _checks, api
 
 
-def _mesh_and_heads(fn: str, mesh, head_axis: str, heads):
+def _head_mesh(fn: str, mesh, head_axis: str, heads: int):
+    """(mesh, head_axis), checked: the mesh (or the context mesh) has the axis and its size
+    divides the head count."""
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
@@ -43,61 +44,68 @@ def _mesh_and_heads(fn: str, mesh, head_axis: str, heads):
             f"{fn}: head_axis {head_axis!r} is not an axis of the mesh (axes {mesh.axis_names})"
         )
     devices = mesh.shape[head_axis]
-    if heads is not None and heads % devices:
+    if heads % devices:
         raise ValueError(
             f"{fn}: the head count H = {heads} must be a multiple of the size of mesh axis "
             f"{head_axis!r} ({devices})"
         )
-    return mesh
+    return mesh, head_axis
 
 
 def kda_prefill_sharded(
-    q, k, v, g, beta, A_log, dt_bias, *, mesh=None, head_axis="tp", initial_state=None,
-    cu_seqlens=None, output_final_state=False, state_indices=None, checkpoint_every=None,
-    **options,
+    q, k, v, g, beta, A_log, dt_bias, *, mesh=None, head_axis="tp", scale=None,
+    lower_bound=-5.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+    state_indices=None, checkpoint_every=None, numerics="flashkda", inverse="stable",
+    sequence_parallel="auto", recurrence="auto", backend="auto",
 ):
     """kda_prefill with every head-carrying array split on H over mesh axis `head_axis`.
 
     Args:
-      q ... dt_bias, initial_state, cu_seqlens, output_final_state, state_indices,
-        checkpoint_every: as kda_prefill.
+      q ... backend: as kda_prefill, checked as kda_prefill checks them (on the global shapes).
       mesh: a Mesh or AbstractMesh, or None for the context mesh (jax.set_mesh).
       head_axis: the mesh axis that splits H; H must be a multiple of its size.
-      **options: any other kda_prefill keyword (scale, lower_bound, inverse, backend, column_split,
-        recurrence).
 
     Returns:
       as kda_prefill, every result sharded on H over head_axis.
     """
-    heads = q.shape[2] if getattr(q, "ndim", 0) == 4 else None
-    mesh = _mesh_and_heads("kda_prefill_sharded", mesh, head_axis, heads)
-    arrays = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_indices, None)
-    out, final_state, checkpoints = _partitioning.shard_over_heads(
-        functools.partial(_local_prefill,
-                          options=dict(options, checkpoint_every=checkpoint_every)),
-        _partitioning.PREFILL, arrays, mesh, head_axis)
+    fn = "kda_prefill_sharded"
+    problem = _checks.check_prefill(
+        q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
+        initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, state_indices=state_indices, checkpoint_every=checkpoint_every,
+        numerics=numerics, inverse=inverse, sequence_parallel=sequence_parallel,
+        recurrence=recurrence, backend=backend, fn=fn)
+    cu = None if cu_seqlens is None else cu_seqlens.astype("int32")
+    arrays = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu, state_indices, None)
+    out, final_state, checkpoints = api.run_checked(
+        arrays, problem, mesh=_head_mesh(fn, mesh, head_axis, problem.heads))
     final_state = final_state if output_final_state else None
     if checkpoint_every is None:
         return out, final_state
     return out, final_state, checkpoints
 
 
-def kda_decode_sharded(q, k, v, g, beta, A_log, dt_bias, *, state, mesh=None, head_axis="tp",
-                       state_indices=None, **options):
+def kda_decode_sharded(
+    q, k, v, g, beta, A_log, dt_bias, *, state, mesh=None, head_axis="tp", state_indices=None,
+    scale=None, lower_bound=-5.0, output_intermediate_states=False, numerics="flashkda",
+    inverse="stable", backend="auto",
+):
     """kda_decode with every head-carrying array (the state pool included) split on H over mesh
-    axis `head_axis`; arguments and results as kda_decode."""
-    heads = q.shape[2] if getattr(q, "ndim", 0) == 4 else None
-    mesh = _mesh_and_heads("kda_decode_sharded", mesh, head_axis, heads)
+    axis `head_axis`; arguments (checked as kda_decode checks them) and results as kda_decode."""
+    fn = "kda_decode_sharded"
+    problem = _checks.check_decode(
+        q, k, v, g, beta, A_log, dt_bias, state=state, state_indices=state_indices, scale=scale,
+        lower_bound=lower_bound, output_intermediate_states=output_intermediate_states,
+        numerics=numerics, inverse=inverse, backend=backend, fn=fn)
     arrays = (q, k, v, g, beta, A_log, dt_bias, state, state_indices)
-    out, new_state, states = _partitioning.shard_over_heads(
-        functools.partial(_local_decode, options=options), _partitioning.DECODE, arrays, mesh,
-        head_axis)
-    if options.get("output_intermediate_states"):
+    out, new_state, states = api.run_checked(
+        arrays, problem, mesh=_head_mesh(fn, mesh, head_axis, problem.heads))
+    if output_intermediate_states:
         return out, new_state, states
     return out, new_state
 
 
-__all__ = ["head_specs", "kda_decode", "kda_decode_sharded", "kda_prefill", "kda_prefill_sharded"]
+__all__ = ["head_specs", "kda_decode_sharded", "kda_prefill_sharded"]
 
 
 def head_specs(head_axis: str) -> dict:

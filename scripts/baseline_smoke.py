@@ -1,6 +1,6 @@
 """Quick GPU check of the baseline recurrence before the full test suite (a hang or a launch
 failure shows here within seconds, under a short `timeout`): a few small shapes, baseline vs
-column_split=16, out and final state compared bit for bit, outputs poisoned first by XLA never
+recurrence=16, out and final state compared bit for bit, outputs poisoned first by XLA never
 reusing them (fresh buffers each call; the tests poison explicitly). Exit 1 on any difference."""
 
 import sys
@@ -30,7 +30,7 @@ def run(lengths, heads, varlen):
     if varlen:
         args["cu_seqlens"] = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     base = jax.block_until_ready(jax_kda.kda_prefill(**args, recurrence="baseline"))
-    split = jax.block_until_ready(jax_kda.kda_prefill(**args, column_split=16))
+    split = jax.block_until_ready(jax_kda.kda_prefill(**args, recurrence=16))
     same = [bool(jnp.all(a.view(jnp.uint16) == b.view(jnp.uint16))) for a, b in zip(base, split)]
     print(f"lengths {lengths} H={heads} {'varlen' if varlen else 'batched'}: out equal {same[0]},"
           f" final state equal {same[1]}, finite {bool(jnp.all(jnp.isfinite(base[0].astype(jnp.float32))))}",

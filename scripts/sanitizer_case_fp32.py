@@ -25,7 +25,7 @@ state = jnp.asarray(rng.standard_normal((N, H, 128, 128), dtype=np.float32), jnp
 for bv in (16, 32, 64, 128):
     out, st = jax.block_until_ready(jax_kda.kda_prefill(
         **args, cu_seqlens=jnp.asarray(cu), initial_state=state, output_final_state=True,
-        backend="kernel", column_split=bv, numerics="fp32"))
+        backend="kernel", recurrence=bv, numerics="fp32"))
 print("fp32 sanitizer case ran", out.shape, st.shape)
 
 P = 4
@@ -38,7 +38,7 @@ for dtype in (jnp.float32, jnp.bfloat16):
     for bv in (16, 32, 64, 128):
         res = jax.block_until_ready(jax.jit(lambda a, p, idx: jax_kda.kda_prefill(
             **a, cu_seqlens=jnp.asarray(cu), initial_state=p, state_indices=idx,
-            output_final_state=True, checkpoint_every=16, backend="kernel", column_split=bv,
+            output_final_state=True, checkpoint_every=16, backend="kernel", recurrence=bv,
             numerics="fp32"))(args, pool.astype(dtype), idx))
 print("fp32 sanitizer pool + checkpoints case ran", res[2].shape)
 step = {name: x[:, :12].reshape((4, 3) + x.shape[2:]) for name, x in args.items()

@@ -77,7 +77,7 @@ for dtype in (jnp.bfloat16, jnp.float32):
     for split in (16, 32, 64, 128):
         run = jax.jit(lambda x, pool, split=split: jax_kda.kda_prefill(
             **x, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, initial_state=pool,
-            state_indices=idx, output_final_state=True, checkpoint_every=32, column_split=split,
+            state_indices=idx, output_final_state=True, checkpoint_every=32, recurrence=split,
             backend="kernel"))
         out, new_pool, ckpts = run(x, pool)
         tag = f"pool prefill {jnp.dtype(dtype).name} bv{split}"

@@ -10,7 +10,22 @@ import pytest
 # which the GPU round trip uses and which does not put this folder on sys.path.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+import jax
+
 from jax_kda import _ffi
+
+
+@pytest.fixture(autouse=True)
+def _fresh_traces_around_monkeypatching(request):
+    """jax_kda compiles each call configuration once (an eager call too), so a program traced
+    before a test monkeypatches the package would be reused unchanged: tests that patch start
+    and end with empty jit caches."""
+    if "monkeypatch" not in request.fixturenames:
+        yield
+        return
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
 
 
 @pytest.fixture

@@ -179,32 +179,25 @@ def test_unknown_backend():
         call(make_args(), backend="cuda")
 
 
-@pytest.mark.parametrize("bv", [8, 48, 256, "32"])
-def test_bad_column_split(bv):
-    with pytest.raises(ValueError, match="column_split"):
-        call(make_args(), column_split=bv)
-
-
-@pytest.mark.parametrize("recurrence", ["flashkda", "Baseline", None, 0])
+@pytest.mark.parametrize("recurrence", [8, 48, 256, "32", 16.0, True, "column_split", "Baseline",
+                                        None])
 def test_bad_recurrence(recurrence):
-    with pytest.raises(ValueError, match=r"recurrence must be one of \('auto', 'column_split', 'baseline'\)"):
+    with pytest.raises(ValueError, match=r"recurrence must be one of \('auto', 'baseline', 16, "
+                                         r"32, 64, 128\)"):
         call(make_args(), recurrence=recurrence)
 
 
-@pytest.mark.parametrize("backend", ["reference", "auto", "kernel"])
-@pytest.mark.parametrize("bv", [16, 128])
-def test_baseline_recurrence_refuses_a_column_split(backend, bv):
-    """Checked at trace time, before any backend decision (the reference would ignore both)."""
-    args = make_args()
-    with pytest.raises(ValueError, match=rf"column_split={bv} applies to recurrence='column_split'"):
-        jax.jit(lambda a: call(a, recurrence="baseline", column_split=bv, backend=backend)).trace(args)
+@pytest.mark.parametrize("removed", ["column_split", "overlap"])
+def test_removed_launch_keywords_are_unknown(removed):
+    with pytest.raises(TypeError, match=removed):
+        call(make_args(), **{removed: 16})
 
 
-def test_reference_backend_ignores_the_recurrence_kernel():
+def test_reference_backend_ignores_the_recurrence_launch():
     args = make_args(t=21)
     want = call(args, output_final_state=True)
-    for options in ({"recurrence": "baseline"}, {"recurrence": "column_split", "column_split": 16}):
-        got = call(args, output_final_state=True, **options)
+    for recurrence in ("baseline", 16, 128):
+        got = call(args, output_final_state=True, recurrence=recurrence)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 

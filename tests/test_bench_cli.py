@@ -161,7 +161,7 @@ def test_markdown_tables_hold_the_measured_medians(bench_run):
     assert "prepare" not in text.splitlines()[2]  # never-timed variants get no column
 
 
-def _lowered_chain(monkeypatch, kind, block_v, numerics="flashkda", overlap=None):
+def _lowered_chain(monkeypatch, kind, block_v, numerics="flashkda"):
     """(StableHLO text for CUDA of 3 chained calls of a kernel variant on a small packed case,
     the variant's info): what the GPU timing compiles, lowered here without a GPU."""
     from jax_kda import api
@@ -176,34 +176,29 @@ def _lowered_chain(monkeypatch, kind, block_v, numerics="flashkda", overlap=None
     monkeypatch.setattr(jax_variants, "compute_workspace", abstract_workspace)
     case = cases.Case((40, 0, 17), 3, "varlen")
     x = inputs.to_jax(inputs.make_inputs(case))
-    variant = jax_variants.Variant(kind, block_v, numerics, overlap=overlap)
+    variant = jax_variants.Variant(kind, block_v, numerics)
     fn, args, feedback, info = jax_variants.build(variant, case, x, inverse="stable")
     text = (timing.chain_jax(fn, 3, feedback).trace(*args)
             .lower(lowering_platforms=("cuda",)).as_text())
     return text, info
 
 
-@pytest.mark.parametrize("kind,block_v,overlap,prepares,recurrences,overlapped", [
-    ("prepare", None, None, 3, 0, 0), ("recurrence", 32, None, 0, 3, 0),
-    ("recurrence", "auto", None, 0, 3, 0), ("total", 128, False, 3, 3, 0),
-    ("total", "auto", False, 3, 3, 0), ("recurrence", "baseline", None, 0, 3, 0),
-    ("total", "baseline", None, 3, 3, 0),
-    ("total", "auto", None, 3, 3, 0),  # left open: the two calls
-    ("total", "auto", True, 0, 0, 3), ("total", 64, True, 0, 0, 3)])
+@pytest.mark.parametrize("kind,block_v,prepares,recurrences", [
+    ("prepare", None, 3, 0), ("recurrence", 32, 0, 3), ("recurrence", "auto", 0, 3),
+    ("total", 128, 3, 3), ("total", "auto", 3, 3), ("recurrence", "baseline", 0, 3),
+    ("total", "baseline", 3, 3)])
 def test_kernel_variants_lower_to_one_custom_call_per_chained_call(
-        monkeypatch, kind, block_v, overlap, prepares, recurrences, overlapped):
+        monkeypatch, kind, block_v, prepares, recurrences):
     """What the GPU timing will compile: R chained calls, each with its custom calls, for CUDA."""
-    text, info = _lowered_chain(monkeypatch, kind, block_v, overlap=overlap)
+    text, info = _lowered_chain(monkeypatch, kind, block_v)
     if block_v == "auto":
         assert info["block_v_used"] in (16, 32, 64, 128)
     assert text.count("@jax_kda_prepare_v1") == prepares
     assert text.count("@jax_kda_recurrence_v1") == recurrences
-    assert text.count("@jax_kda_prefill_overlap_v1") == overlapped
-    assert info.get("overlap_used", False) == bool(overlapped)
     attrs = re.findall(r"block_v = (\d+) : i32", text)
     if block_v == "baseline":  # the baseline kernel: attribute value 0, labelled "baseline"
         assert info["block_v_used"] == "baseline" and attrs == ["0"] * 3
-    elif recurrences or overlapped:
+    elif recurrences:
         assert attrs == [str(info["block_v_used"])] * 3
 
 
@@ -613,7 +608,7 @@ def test_fp32_reference_runs_and_rows_record_the_mode(fp32_run):
         assert fp32["ratio_vs_baseline"] == pytest.approx(flashkda["median_us"] / fp32["median_us"])
         baseline_kernel = got[(case, "recurrence:fp32:bv=baseline")]
         assert baseline_kernel["status"] == "skipped" and baseline_kernel["numerics"] == "fp32"
-        assert "column-split recurrence only" in baseline_kernel["error"]
+        assert "runs the column split" in baseline_kernel["error"]
         assert got[(case, "jla")]["numerics"] is None  # a peer, not a jax_kda mode
     rows = {(r["case"], r["variant"]): r for r in csv.DictReader((out / "fp32.csv").open())}
     assert rows[("T64_H2", "reference:fp32")]["numerics"] == "fp32"
@@ -655,8 +650,8 @@ def test_fp32_variants_that_kda_prefill_lacks_are_unavailable():
     case = cases.Case((16,), 1)
     x = inputs.to_jax(inputs.make_inputs(case))
     for variant, inverse, reason in [
-            (jax_variants.Variant("total", "baseline", "fp32"), "stable", "column-split"),
-            (jax_variants.Variant("reference", numerics="fp32"), "neumann", "one inverse")]:
+            (jax_variants.Variant("total", "baseline", "fp32"), "stable", "runs the column split"),
+            (jax_variants.Variant("reference", numerics="fp32"), "neumann", "has one f32 inverse")]:
         with pytest.raises(jax_variants.VariantUnavailable, match=reason):
             jax_variants.build(variant, case, x, inverse=inverse)
 
@@ -813,8 +808,9 @@ def test_sequence_parallel_variants_of_the_long_context_preset(capsys):
     assert {c.heads for c in long} == {1, 4, 8, 12} and all(c.num_seqs == 1 for c in long)
     split = Variant("total", "auto", "fp32", segments=4)
     assert unavailable_reason(split, "stable") is None
-    assert "column-split recurrence only" in unavailable_reason(
+    assert "recurrence='baseline' runs numerics='flashkda' only" in unavailable_reason(
         Variant("total", "baseline", "fp32"), "stable")
+    assert "inverse='neumann'" in unavailable_reason(Variant("total", "auto", "fp32"), "neumann")
 
 
 def test_sequence_parallel_counts_must_be_integers():
@@ -865,22 +861,3 @@ def test_interleaved_run_times_every_variant_in_turns(tmp_path, monkeypatch):
     assert all(len(r["samples_us"]) == 2 and "interleaved" in r["timer"] for r in timed)
     assert rows[("T24_H1", "prepare")]["status"] == "skipped"  # no kernels on this machine
     assert sorted(rounds) == [1, 2]  # the decode case's one variant, the prefill case's two
-
-
-def test_overlap_variants_of_the_total_kind(capsys):
-    """--overlap on,off times each flashkda-mode total variant both ways (named ...:ov=on / off;
-    the fp32 mode's are not overlapped); block_v = 128 and the baseline have no overlapped call."""
-    from jax_kda.bench import cli
-    from jax_kda.bench.jax_variants import Variant, unavailable_reason
-
-    code = cli.main(["--seqlen", "64", "--heads", "2", "--numerics", "flashkda,fp32",
-                     "--variants", "total", "--total-block-v", "auto,128", "--overlap", "on,off",
-                     "--dry-run"])
-    assert code == 0
-    assert ("variants: total:bv=auto:ov=on, total:bv=auto:ov=off, total:bv=128:ov=on, "
-            "total:bv=128:ov=off, total:fp32:bv=auto, total:fp32:bv=128") in capsys.readouterr().out
-    assert unavailable_reason(Variant("total", 64, overlap=True), "stable") is None
-    assert "column_split in" in unavailable_reason(Variant("total", 128, overlap=True), "stable")
-    assert "baseline" in unavailable_reason(Variant("total", "baseline", overlap=True), "stable")
-    with pytest.raises(SystemExit, match="--overlap"):
-        cli.main(["--variants", "total", "--overlap", "maybe", "--dry-run"])

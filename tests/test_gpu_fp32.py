@@ -158,7 +158,7 @@ def test_every_column_split_is_bitwise_identical_and_repeatable(shape):
               initial_state=random_state(rng, N, H))
     if cu is not None:
         kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
-    run = {bv: jax.jit(lambda a, bv=bv: jax_kda.kda_prefill(**a, column_split=bv, **kw))
+    run = {bv: jax.jit(lambda a, bv=bv: jax_kda.kda_prefill(**a, recurrence=bv, **kw))
            for bv in contract.COLUMN_SPLITS}
     base_out, base_state = run[128](args)
     assert np.isfinite(np.asarray(base_out.astype(jnp.float32))).all()

@@ -33,7 +33,7 @@ BLOCK_VS = contract.COLUMN_SPLITS
 
 def kernel_choice(recurrence) -> dict:
     """kda_prefill options for a column split width (int) or "baseline"."""
-    return {"recurrence": "baseline"} if recurrence == "baseline" else {"column_split": recurrence}
+    return {"recurrence": recurrence}
 
 
 def make_inputs(rng, B, T, H, *, g_scale=1.0, state=None, state_scale=0.1):

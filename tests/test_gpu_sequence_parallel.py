@@ -68,7 +68,7 @@ def test_every_column_split_and_every_run_give_the_same_bits():
     a, extra = packed_case(11)
     first = prefill("kernel", 6)(a, extra)
     for split in (16, 32, 64, 128, 16):
-        got = prefill("kernel", 6, column_split=split)(a, extra)
+        got = prefill("kernel", 6, recurrence=split)(a, extra)
         for x, y in zip(got, first):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

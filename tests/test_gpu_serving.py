@@ -154,13 +154,13 @@ def decode_fn(backend, inverse="stable", intermediate=True, pooled=True):
 
 
 @functools.cache
-def prefill_fn(backend, inverse="stable", checkpoint_every=None, column_split=None,
+def prefill_fn(backend, inverse="stable", checkpoint_every=None, recurrence="auto",
                numerics="flashkda"):
     """(x, state or None, cu_seqlens or None, state_indices or None) -> kda_prefill's results."""
     def run(x, state, cu, idx):
         return jax_kda.kda_prefill(**x, initial_state=state, cu_seqlens=cu, state_indices=idx,
                                    output_final_state=True, checkpoint_every=checkpoint_every,
-                                   inverse=inverse, column_split=column_split, backend=backend,
+                                   inverse=inverse, recurrence=recurrence, backend=backend,
                                    numerics=numerics)
 
     return jax.jit(run)

@@ -109,9 +109,8 @@ BASELINE_GRIDS = [GRID.parent / "h200-20261201-grid-baseline-short.json",
 
 
 def _auto(num_seqs, heads, tokens, sms):
-    launch = _launch.resolve(_launch.requested("auto", None), num_seqs=num_seqs, heads=heads,
-                             tokens=tokens, sm_count=sms, baseline_allowed=True)
-    return "baseline" if launch.kernel == "baseline" else launch.column_split
+    return _launch.resolve("auto", num_seqs=num_seqs, heads=heads, tokens=tokens, sm_count=sms,
+                           baseline_allowed=True)
 
 
 def test_auto_with_the_baseline_kernel_against_its_grid():
@@ -141,50 +140,17 @@ def test_auto_with_the_baseline_kernel_against_its_grid():
 
 def test_auto_picks_the_baseline_only_for_plain_bf16_mode_prefill():
     short = {"num_seqs": 32, "heads": 12, "tokens": 32 * 1024, "sm_count": 132}
-    auto = _launch.requested("auto", None)
-    assert _launch.resolve(auto, **short, baseline_allowed=True).kernel == "baseline"
+    assert _launch.resolve("auto", **short, baseline_allowed=True) == "baseline"
     for other in ({"baseline_allowed": False}, {"baseline_allowed": True, "numerics": "fp32"}):
-        assert _launch.resolve(auto, **short, **other) == _launch.RecurrenceLaunch(
-            "column_split", _launch.choose_block_v(num_seqs=32, heads=12, sm_count=132,
-                                                   numerics=other.get("numerics", "flashkda")))
-    # an explicit column split is the column-split kernel; longer sequences or fewer tasks too
-    assert _launch.requested("auto", 32) == _launch.RecurrenceLaunch("column_split", 32)
-    assert _launch.resolve(auto, **dict(short, tokens=32 * 1025), baseline_allowed=True
-                           ).kernel == "column_split"
-    assert _launch.resolve(auto, **dict(short, heads=4), baseline_allowed=True
-                           ).kernel == "column_split"
-
-
-
-def test_overlap_is_opt_in_and_only_for_plain_flashkda_prefill():
-    few = {"num_seqs": 1, "heads": 6, "tokens": 8192, "sm_count": 132}
-    # left open: the two separate calls (the overlapped one is not measured yet)
-    assert _launch.resolve(_launch.requested("auto", None), **few, baseline_allowed=True) == \
-        _launch.RecurrenceLaunch("column_split", 16, False)
-    forced = _launch.requested("auto", None, True)
-    got = _launch.resolve(forced, **few, baseline_allowed=True)
-    assert got == _launch.RecurrenceLaunch("column_split", 16, True)
-    assert got.name == "bv16-overlap"
-    assert _launch.resolve(_launch.requested("column_split", 64, True), **few,
-                           baseline_allowed=True) == _launch.RecurrenceLaunch("column_split", 64,
-                                                                              True)
-    # pools / checkpoints (baseline_allowed=False) and the fp32 mode cannot overlap
-    with pytest.raises(ValueError, match="overlap=True runs plain"):
-        _launch.resolve(forced, **few)
-    with pytest.raises(ValueError, match="overlap=True runs plain"):
-        _launch.resolve(forced, **few, baseline_allowed=True, numerics="fp32")
-    assert not _launch.resolve(_launch.requested("auto", None, False), **few).overlap
-    # overlap=True names the column split, so "auto" never turns into the baseline kernel
-    short = {"num_seqs": 32, "heads": 12, "tokens": 32 * 1024, "sm_count": 132}
-    assert _launch.resolve(forced, **short, baseline_allowed=True).kernel == "column_split"
-    assert _launch.resolve(_launch.requested("auto", None), **short,
-                           baseline_allowed=True).kernel == "baseline"
-    with pytest.raises(ValueError, match="baseline"):
-        _launch.requested("baseline", None, True)
-    with pytest.raises(ValueError, match="overlap must be"):
-        _launch.requested("auto", None, 1)
-    with pytest.raises(ValueError, match="column_split in"):
-        _launch.requested("auto", 128, True)
+        assert _launch.resolve("auto", **short, **other) == _launch.choose_block_v(
+            num_seqs=32, heads=12, sm_count=132, numerics=other.get("numerics", "flashkda"))
+    # an explicit launch is kept as asked; longer sequences or fewer tasks take a column split
+    for asked in ("baseline", 16, 32, 64, 128):
+        assert _launch.resolve(asked, **short) == asked
+    assert _launch.resolve("auto", **dict(short, tokens=32 * 1025), baseline_allowed=True) in \
+        (16, 32, 64, 128)
+    assert _launch.resolve("auto", **dict(short, heads=4), baseline_allowed=True) in \
+        (16, 32, 64, 128)
 
 
 THROUGHPUT = GRID.parent / "h200-20261201-throughput.csv"
@@ -215,10 +181,9 @@ def test_short_sequence_exception_needs_the_token_count():
     sequences (the packed mix's 6 sequences in 8192 tokens), 64 for long ones or when the token
     count is unknown (the rule for long sequences)."""
     six = {"num_seqs": 6, "heads": 12, "sm_count": 132}
-    auto = _launch.requested("auto", None)
-    assert _launch.resolve(auto, **six, tokens=8192).column_split == 16
-    assert _launch.resolve(auto, **six, tokens=6 * 8192).column_split == 64
-    assert _launch.resolve(auto, **six).column_split == 64
+    assert _launch.resolve("auto", **six, tokens=8192) == 16
+    assert _launch.resolve("auto", **six, tokens=6 * 8192) == 64
+    assert _launch.resolve("auto", **six) == 64
     # the fp32 mode keeps its own rule
-    assert _launch.resolve(auto, **six, tokens=8192, numerics="fp32").column_split == \
+    assert _launch.resolve("auto", **six, tokens=8192, numerics="fp32") == \
         _launch.choose_block_v(num_seqs=6, heads=12, sm_count=132, numerics="fp32")

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from jax_kda import _ffi, contract
-from jax_kda._launch import RecurrenceLaunch
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
@@ -33,9 +32,7 @@ def _avals(total, heads, seqs):
 
 def _launch(block_v):
     """The launch whose block_v attribute is `block_v` (contract.BASELINE_BLOCK_V: baseline)."""
-    if block_v == contract.BASELINE_BLOCK_V:
-        return RecurrenceLaunch("baseline")
-    return RecurrenceLaunch("column_split", block_v)
+    return "baseline" if block_v == contract.BASELINE_BLOCK_V else block_v
 
 
 def _lower_both(total, heads, seqs, *, inverse="stable", block_v=32, scale=0.125,
@@ -119,10 +116,10 @@ def test_recurrence_block_v_attribute_is_i32(block_v):
     assert not re.search(r": (i64|f64)", line)
 
 
-@pytest.mark.parametrize("column_split", [None, 64])
-def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, column_split):
-    """recurrence="baseline" emits the same recurrence custom call with block_v = 0; the default
-    ("column_split") emits the column split (the heuristic's or the requested one)."""
+@pytest.mark.parametrize("recurrence", ["auto", 64])
+def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, recurrence):
+    """recurrence="baseline" emits the same recurrence custom call with block_v = 0; "auto" (the
+    heuristic's choice here) or a column count emits that column split."""
     import jax_kda
     from jax_kda import _launch, api
 
@@ -140,37 +137,11 @@ def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, column_spli
     assert set(baseline) == {"jax_kda_prepare_v1", "jax_kda_recurrence_v1"}
     assert f"block_v = {contract.BASELINE_BLOCK_V} : i32" in baseline["jax_kda_recurrence_v1"]
     assert contract.BASELINE_BLOCK_V == 0
-    split = lower(recurrence="column_split", column_split=column_split)["jax_kda_recurrence_v1"]
-    want = column_split or _launch.choose_block_v(num_seqs=B, heads=H)
+    split = lower(recurrence=recurrence)["jax_kda_recurrence_v1"]
+    want = _launch.choose_block_v(num_seqs=B, heads=H) if recurrence == "auto" else recurrence
     assert f"block_v = {want} : i32" in split
     # the prepare call does not depend on the recurrence kernel
     assert baseline["jax_kda_prepare_v1"] == lower()["jax_kda_prepare_v1"]
-    assert lower(overlap=False) == lower()
-    # overlap=True: one call runs both kernels, with prepare's gate attributes, the column split
-    # and the prepare CTAs per SM beside the recurrence
-    fused = lower(column_split=column_split, overlap=True)
-    assert set(fused) == {"jax_kda_prefill_overlap_v1"}
-    fused = fused["jax_kda_prefill_overlap_v1"]
-    assert f"block_v = {want} : i32" in fused
-    assert f"overlap = {contract.OVERLAP_PREPARE_CTAS_PER_SM} : i32" in fused
-    for attr in ("scale", "lower_bound", "inverse"):
-        assert re.search(attr + r" = [^,}]+", fused).group() in baseline["jax_kda_prepare_v1"]
-
-
-@pytest.mark.parametrize("overlap, ctas, want", [(True, 2, 2), (True, 6, 6), (False, 4, 0)])
-def test_prefill_overlap_call_passes_the_prepare_ctas_per_sm(overlap, ctas, want):
-    """The schedule knob of benchmarks/overlap_schedule.py: the overlap attribute is the prepare
-    CTAs per SM when the launch overlaps, 0 (one kernel after the other) when it does not."""
-    T, H, N = 48, 2, 1
-    S = jax.ShapeDtypeStruct
-    args = ([S((T, H, 128), BF16)] * 4 + [S((T, H), BF16), S((H,), F32), S((H, 128), F32),
-            S((N + 1,), I32), S((N, H, 128, 128), BF16)])
-    launch = RecurrenceLaunch("column_split", 16, overlap=overlap)
-    fn = lambda *a: _ffi.prefill_overlap_call(*a, scale=0.5, lower_bound=-5.0, inverse="stable",
-                                              launch=launch, prepare_ctas_per_sm=ctas)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    fused = _custom_calls(text)["jax_kda_prefill_overlap_v1"]
-    assert f"overlap = {want} : i32" in fused
 
 
 def test_default_recurrence_runs_the_baseline_for_many_short_sequences(monkeypatch):
@@ -250,7 +221,7 @@ def test_recurrence_wrapper_rejects_wrong_workspace_and_unresolved_launches():
         jax.jit(lambda *x: _ffi.recurrence_call(*x, launch=_launch(32))).trace(
             a["v"], a["beta"], bad_ws, a["cu_seqlens"], a["state0"])
     good_ws = jax.ShapeDtypeStruct((2, 5, 13824), jnp.uint8)
-    for bad in (RecurrenceLaunch("column_split", None), 32, None, "baseline"):
-        with pytest.raises(ValueError, match=r"launch: expected a resolved RecurrenceLaunch"):
+    for bad in ("auto", 48, None, True):
+        with pytest.raises(ValueError, match=r"launch: expected 'baseline' or one of"):
             jax.jit(lambda *x, bad=bad: _ffi.recurrence_call(*x, launch=bad)).trace(
                 a["v"], a["beta"], good_ws, a["cu_seqlens"], a["state0"])

@@ -15,7 +15,7 @@ import pytest
 
 import jax_kda
 from jax_kda import _kernel_path, _launch, contract, reference_fp32
-from jax_kda._checks import Problem
+from jax_kda.problem import Problem
 
 SCALE, LOWER = 128**-0.5, -5.0
 
@@ -145,8 +145,7 @@ def test_fp32_decode_prefix_packing_of_the_kernel_path(monkeypatch):
     the kernels: bitwise the intermediate states, out and pool of the reference backend's
     decode (which runs each prefix on its own), padding slot included."""
     from jax_kda import _reference_path
-    monkeypatch.setattr(_kernel_path, "prefill", lambda *arrays, problem, options: (
-        _reference_path.prefill(*arrays, problem=problem, inverse=options.inverse)))
+    monkeypatch.setattr(_kernel_path, "prefill", _reference_path.prefill)
     rng = np.random.default_rng()
     a = inputs(rng, 3, 4, 2)
     pool = jnp.asarray(rng.standard_normal((5, 2, 128, 128)) * 0.1, jnp.float32)
@@ -154,9 +153,10 @@ def test_fp32_decode_prefix_packing_of_the_kernel_path(monkeypatch):
     want = _decode_with_states(a, pool, idx)
     problem = jax_kda._checks.check_decode(
         *(a[k] for k in DECODE_ARGS), state=pool, state_indices=idx, scale=SCALE,
-        lower_bound=LOWER, output_intermediate_states=True, numerics="fp32")
+        lower_bound=LOWER, output_intermediate_states=True, numerics="fp32", inverse="stable",
+        backend="kernel")
     got = jax.jit(lambda a, p: _kernel_path.decode(
-        *(a[k] for k in DECODE_ARGS), p, idx, problem=problem, inverse="stable"))(a, pool)
+        *(a[k] for k in DECODE_ARGS), p, idx, problem=problem))(a, pool)
     for x, y in zip(got, want):
         assert x.shape == y.shape and x.dtype == y.dtype
         np.testing.assert_array_equal(bits(x), bits(y))
@@ -234,7 +234,7 @@ def test_kernel_path_widens_a_bf16_state_for_the_fp32_recurrence(monkeypatch):
     _, final = _kernel_path.plain_recurrence(
         jnp.zeros((1, 16, 2, 128), jnp.bfloat16), jnp.zeros((1, 16, 2), jnp.bfloat16), None,
         jnp.asarray([0, 16], jnp.int32), state, problem=problem,
-        launch=_launch.RecurrenceLaunch("column_split", 32))
+        launch=32)
     assert seen["state_dtype"] == jnp.float32 and seen["numerics"] == "fp32"
     assert final.dtype == jnp.bfloat16 and float(final[0, 0, 0, 0]) == 1.5
 

@@ -736,7 +736,7 @@ def test_pool_prefill_lowers_to_prepare_and_pool_recurrence(kernel_lowering, lay
 def test_pool_prefill_without_checkpoints_and_checkpoints_without_pool(kernel_lowering):
     S = jax.ShapeDtypeStruct
     B, T, P = 2, 40, 6
-    fn = partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel", column_split=64)
+    fn = partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel", recurrence=64)
     calls = _kda_calls(kernel_lowering(fn, **_avals(B, T), initial_state=S((P, H, 128, 128), BF16),
                                        state_indices=S((B,), I32)))
     assert set(calls) == {PREPARE_TARGET, POOL_TARGET}

@@ -43,7 +43,7 @@ class ReferenceCore:
         self.q_shapes = []
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices=None,
-                 ckpt_offsets=None, *, problem, options=None):
+                 ckpt_offsets=None, *, problem):
         self.q_shapes.append(tuple(q.shape))
         assert A_log.shape == (problem.heads,) and q.shape[2] == problem.heads
         assert q.shape[:2] == (problem.batch, problem.seqlen)
@@ -59,6 +59,8 @@ def problem_for(x, cu=None):
     return _checks.check_prefill(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], scale=None,
         lower_bound=-5.0, initial_state=x.get("state"), output_final_state=True, cu_seqlens=cu,
+        state_indices=None, checkpoint_every=None, numerics="flashkda", inverse="stable",
+        sequence_parallel="auto", recurrence="auto", backend="kernel",
     )
 
 
@@ -264,7 +266,7 @@ def custom_call_targets(text):
     return re.findall(r"custom_call @(jax_kda_\w+)\(", text)
 
 
-@pytest.mark.parametrize("recurrence", ["column_split", "baseline"])
+@pytest.mark.parametrize("recurrence", ["auto", "baseline"])
 def test_vmapped_kernel_call_lowers_to_one_pair_of_custom_calls(monkeypatch, recurrence):
     monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)
     n, b, t = 3, 2, 24
@@ -329,20 +331,3 @@ def test_gpu_vmapped_kernels_equal_a_loop(varlen, kernel_gpus):
         o, s = one(*(x[i] for x in args[:6]), *args[6:])
         np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(o, np.float32))
         np.testing.assert_array_equal(np.asarray(state[i], np.float32), np.asarray(s, np.float32))
-
-
-def test_vmapped_overlapped_call_lowers_to_one_custom_call(monkeypatch):
-    """overlap=True under vmap: one overlapped call on the folded problem (n*B sequences)."""
-    monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)
-    n, b, t = 3, 2, 24
-    batch = make_batch(n, b, t, seed=11)
-    args = [batch[a] for a in ORDER[:8]]
-    in_axes = (0, 0, 0, 0, 0, None, None, 0)
-    args = [x[0] if ax is None else x for x, ax in zip(args, in_axes)]
-    call = public_call("kernel", overlap=True)
-    text = (jax.jit(jax.vmap(call, in_axes=in_axes)).trace(*args)
-            .lower(lowering_platforms=("cuda",)).as_text())
-    assert custom_call_targets(text) == ["jax_kda_prefill_overlap_v1"]
-    assert f"tensor<{n * b * t}x{H}x128xbf16>" in text
-    assert re.findall(r"block_v = (\d+) : i32", text) == [
-        str(_launch.choose_block_v(num_seqs=n * b, heads=H))]

@@ -102,10 +102,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="also time each fp32 'total' variant with kda_prefill(sequence_parallel=N) "
                    "for these segment counts or 'auto' (named ...:sp=N; the plain fp32 variants "
                    "run sequence_parallel='off')")
-    g.add_argument("--overlap", default="auto", metavar="auto,on,off",
-                   help="kda_prefill(overlap=...) of the flashkda-mode 'total' variants, "
-                   "comma-separated (default auto: the heuristic, names untagged); on / off name "
-                   "their variants ...:ov=on / ...:ov=off")
     g.add_argument("--numerics", default=FLASHKDA,
                    help=f"comma-separated numerics modes of kda_prefill, of {','.join(NUMERICS)} "
                    "(default flashkda): the jax_kda variants are timed once per mode, those of a "
@@ -185,21 +181,10 @@ def _kind_variants(kind: str, args, numerics: str) -> list[Variant]:
         plain = [Variant(kind, bv, numerics)
                  for bv in _parse_block_v(args.total_block_v, "--total-block-v")]
         if numerics != "fp32":
-            return [dataclasses.replace(v, overlap=o) for v in plain
-                    for o in _parse_overlap(args.overlap)]
+            return plain
         counts = _parse_segments(args.sequence_parallel)
         return plain + [dataclasses.replace(v, segments=n) for v in plain for n in counts]
     return [Variant(kind, numerics=numerics)]
-
-
-def _parse_overlap(text: str) -> tuple[bool | None, ...]:
-    """--overlap: auto (None), on (True), off (False), comma-separated."""
-    values = {"auto": None, "on": True, "off": False}
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    bad = [w for w in words if w not in values]
-    if bad or not words:
-        raise ValueError(f"--overlap: expected a comma-separated subset of auto,on,off, got {text!r}")
-    return tuple(values[w] for w in dict.fromkeys(words))
 
 
 def _parse_segments(text: str) -> tuple[int | str, ...]:

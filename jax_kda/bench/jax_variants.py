@@ -9,7 +9,7 @@ import numpy as np
 from .cases import Case
 
 KINDS = ("prepare", "recurrence", "total", "reference")
-AUTO = "auto"  # Variant.block_v: the launch heuristic's column split
+AUTO = "auto"  # Variant.block_v: the launch heuristic's choice (kda_prefill(recurrence="auto"))
 BASELINE = "baseline"  # Variant.block_v: the baseline recurrence kernel (one CTA per head)
 FLASHKDA = "flashkda"  # Variant.numerics of the default mode: its names carry no mode tag
 
@@ -21,12 +21,11 @@ class VariantUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Variant:
     kind: str  # prepare | recurrence | total | reference | decode kinds | fla | flashkda | jla
-    block_v: int | str | None = None  # value columns per CTA, AUTO or BASELINE (the baseline kernel)
+    # kda_prefill(recurrence=...): value columns per CTA, AUTO or BASELINE (the baseline kernel)
+    block_v: int | str | None = None
     numerics: str = FLASHKDA  # the jax_kda numerics mode (contract.NUMERICS) it runs
     # kda_prefill(sequence_parallel=segments): an int or "auto" (total, fp32 only; None: "off")
     segments: int | str | None = None
-    # kda_prefill(overlap=...) of a total variant: None (the heuristic), True or False
-    overlap: bool | None = None
 
     @property
     def name(self) -> str:
@@ -39,8 +38,6 @@ class Variant:
             parts.append(f"bv={self.block_v}")
         if self.segments is not None:
             parts.append(f"sp={self.segments}")
-        if self.overlap is not None:
-            parts.append("ov=on" if self.overlap else "ov=off")
         return ":".join(parts)
 
     @property
@@ -72,13 +69,6 @@ def _prefill_kwargs(case: Case, x: dict) -> dict:
 def _packed(a):
     """[B, T, ...] -> [1, B*T, ...]: every case as packed sequences (docs/kernel_abi.md)."""
     return a.reshape((1, a.shape[0] * a.shape[1]) + a.shape[2:])
-
-
-def _kda_prefill_launch(block_v) -> tuple[str, int | None]:
-    """(recurrence, column_split) of kda_prefill for a variant's block_v (int, AUTO, BASELINE)."""
-    if block_v == BASELINE:
-        return "baseline", None
-    return ("auto", None) if block_v == AUTO else ("column_split", block_v)
 
 
 def _scalars(opts: dict) -> dict:
@@ -130,21 +120,17 @@ def compute_workspace(prepare, prepare_args):
 
 
 def unavailable_reason(variant: Variant, inverse: str) -> str | None:
-    """Why kda_prefill has no such variant (None: it has), known before any input is made."""
-    if variant.overlap:  # kda_prefill's own check of the launch it asks for
-        from .. import _launch
+    """Why kda_prefill has no such variant (None: it has), known before any input is made: the
+    option rules of jax_kda.options."""
+    from .. import options
 
-        try:
-            _launch.requested(*_kda_prefill_launch(variant.block_v), True)
-        except ValueError as err:
-            return str(err)
-    if variant.numerics == FLASHKDA:
-        return None
-    if variant.block_v == BASELINE:
-        return (f"numerics={variant.numerics!r} runs the column-split recurrence only (there is "
-                "no baseline kernel in this mode)")
-    if inverse != "stable":
-        return f"numerics={variant.numerics!r} has one inverse (stable), not inverse={inverse!r}"
+    try:
+        options.check_numerics("kda_prefill", variant.numerics, inverse)
+        if variant.block_v is not None:
+            options.check_recurrence("kda_prefill", variant.block_v, numerics=variant.numerics,
+                                     pooled=False, checkpoint_every=None)
+    except ValueError as err:
+        return str(err)
     return None
 
 
@@ -189,24 +175,18 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
     ok, why = kernels_status()
     if not ok:
         raise VariantUnavailable(why)
-    from .. import _checks, _kernel_path, _launch
+    from .. import _kernel_path, _launch
+    from ..problem import Problem
 
-    # the recurrence kind times the recurrence kernel alone: never the overlapped call
-    overlap = variant.overlap if variant.kind == "total" else False
-    requested = _launch.requested(*_kda_prefill_launch(variant.block_v), overlap)
-    launch = _launch.resolve(requested, num_seqs=case.num_seqs, heads=case.heads,
+    launch = _launch.resolve(variant.block_v or AUTO, num_seqs=case.num_seqs, heads=case.heads,
                              numerics=variant.numerics, tokens=case.tokens,
                              baseline_allowed=True)  # plain prefill, as kda_prefill resolves it
-    info = {"block_v_used": "baseline" if launch.kernel == "baseline" else launch.column_split,
-            "overlap_used": launch.overlap}
-    kernel_choice = ({"recurrence": "baseline"} if launch.kernel == "baseline"
-                     else {"column_split": launch.column_split})
+    info = {"block_v_used": launch}
     cu = jnp.asarray(case.cu_seqlens(), jnp.int32)  # the packed view of batched inputs too
     # The packed view as the kernel path sees it: B = 1, T = every token, N sequences.
-    packed = _checks.Problem(batch=1, seqlen=case.tokens, heads=case.heads,
-                             num_seqs=case.num_seqs, varlen=True,
-                             state_dtype=np.dtype(_state_dtype(variant)), numerics=numerics,
-                             **_scalars(opts))
+    packed = Problem(batch=1, seqlen=case.tokens, heads=case.heads, num_seqs=case.num_seqs,
+                     varlen=True, state_dtype=np.dtype(_state_dtype(variant)),
+                     numerics=numerics, inverse=inverse, **_scalars(opts))
 
     if variant.kind == "total":
         # fp32: serial unless the variant names segments (an int or "auto")
@@ -216,14 +196,12 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
         def total(q, k, v, g, beta, A_log, dt_bias, state):
             return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
                                output_final_state=True, backend="kernel", numerics=numerics,
-                               overlap=launch.overlap, **kernel_choice, **opts, **extra,
-                               **split)
+                               recurrence=launch, **opts, **extra, **split)
         return total, gate_args, _state_feedback, info
 
     def prepare(q, k, g, beta, A_log, dt_bias, cu):
         return _kernel_path.prepare_workspace(_packed(q), _packed(k), _packed(g), _packed(beta),
-                                              A_log, dt_bias, cu, problem=packed,
-                                              inverse=inverse)
+                                              A_log, dt_bias, cu, problem=packed)
 
     prepare_args = (x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], cu)
     if variant.kind == "prepare":
