@@ -36,7 +36,6 @@ _HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
     contract.PREPARE_FP32_TARGET: "JaxKdaPrepareFp32V1",
     contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
     contract.RECURRENCE_FP32_POOL_TARGET: "JaxKdaRecurrenceFp32PoolV1",
-    contract.PREFILL_OVERLAP_TARGET: "JaxKdaPrefillOverlapV1",
 }
 _HANDLER_SYMBOLS = {
     target: {stage: name + stage.capitalize() for stage in ("instantiate", "initialize", "execute")}
@@ -255,40 +254,6 @@ def recurrence_call(v, beta, workspace, cu_seqlens, state0, *, launch: Recurrenc
     call = jax.ffi.ffi_call(target, results,
                             input_output_aliases={4: 1} if alias_state else None)
     return call(v, beta, workspace, cu_seqlens, state0, block_v=np.int32(block_v))
-
-
-def prefill_overlap_call(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, *, scale,
-                         lower_bound, inverse, launch: RecurrenceLaunch,
-                         prepare_ctas_per_sm: int = contract.OVERLAP_PREPARE_CTAS_PER_SM):
-    """Prepare and the column-split recurrence of the flashkda mode in one custom call
-    (docs/kernel_abi.md "Overlapped prefill"): with launch.overlap the recurrence runs while
-    prepare writes the workspace on prepare_ctas_per_sm persistent CTAs per SM (where the
-    recurrence leaves SMs free; else the two run one after the other), bitwise the two separate
-    calls' results. Returns (out bf16 [T_total, H, 128], final_state bf16 [N, H, 128, 128]);
-    the workspace and the ready counters are scratch."""
-    if not isinstance(launch, RecurrenceLaunch) or launch.kernel != "column_split" \
-            or not launch.resolved:
-        raise ValueError(f"launch: expected a resolved column-split RecurrenceLaunch, got {launch!r}")
-    cu_seqlens = _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse,
-                                         "flashkda")
-    total, heads = q.shape[0], q.shape[1]
-    num_seqs = cu_seqlens.shape[0] - 1
-    _expect("v", v, jnp.bfloat16, (total, heads, HEAD_DIM))
-    _expect("initial_state", state0, jnp.bfloat16, (num_seqs, heads, HEAD_DIM, HEAD_DIM))
-    slots = contract.workspace_slots(total, num_seqs)
-    results = (
-        jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
-        jax.ShapeDtypeStruct(state0.shape, jnp.bfloat16),
-        jax.ShapeDtypeStruct((heads, slots, contract.RECORD_BYTES), jnp.uint8),
-        jax.ShapeDtypeStruct((contract.ready_words(heads, slots),), jnp.int32),
-    )
-    call = jax.ffi.ffi_call(contract.PREFILL_OVERLAP_TARGET, results)
-    out, final, _, _ = call(
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0, scale=np.float32(scale),
-        lower_bound=np.float32(lower_bound), inverse=np.int32(contract.INVERSE_IDS[inverse]),
-        block_v=np.int32(launch.column_split),
-        overlap=np.int32(prepare_ctas_per_sm if launch.overlap else 0))
-    return out, final
 
 
 def _check_pool(pool, state_indices, num_seqs: int, heads: int) -> None:

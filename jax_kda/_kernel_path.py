@@ -54,18 +54,6 @@ def plain_recurrence(v, beta, workspace, cu, state, *, problem: Problem,
     return out.reshape(v.shape), final.astype(problem.state_dtype)
 
 
-def overlapped_prefill(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: Problem,
-                       inverse: str, launch: RecurrenceLaunch):
-    """Plain flashkda-mode prefill as one custom call that overlaps prepare and the recurrence
-    (_ffi.prefill_overlap_call). Returns (out [B, T, H, 128], final state in
-    problem.state_dtype); an f32 initial state is rounded on entry, as plain_recurrence does."""
-    state = _kernel_state(state, problem, jnp.bfloat16)
-    out, final = _ffi.prefill_overlap_call(
-        _flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), A_log, dt_bias, cu, state,
-        scale=problem.scale, lower_bound=problem.lower_bound, inverse=inverse, launch=launch)
-    return out.reshape(v.shape), final.astype(problem.state_dtype)
-
-
 def _kernel_state(state, problem: Problem, dtype):
     """The per-sequence initial state [N, H, 128, 128] a prefill kernel takes, in `dtype`:
     zeros for None, else `state` converted."""
@@ -100,10 +88,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
     plain = problem.pool_rows is None and problem.checkpoint_every is None
     launch = _launch.resolve(options.launch, num_seqs=N, heads=H, numerics=problem.numerics,
                              tokens=B * T, baseline_allowed=plain)
-    if plain and launch.overlap:
-        out, final = overlapped_prefill(q, k, v, g, beta, A_log, dt_bias, cu, state,
-                                        problem=problem, inverse=options.inverse, launch=launch)
-        return vary_like(out, v), vary_like(final, v), None
     workspace = prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, problem=problem,
                                   inverse=options.inverse)
     if plain:

@@ -1,7 +1,7 @@
 """One KDA prefill at T=8192, 12 heads (Kimi-K3 at TP8), for Nsight Compute. Environment knobs:
 PROFILE_HEADS (default 12), PROFILE_NUMERICS ("flashkda" | "fp32"), PROFILE_SPLIT (column split,
-default: the launch heuristic), PROFILE_OVERLAP (1: the overlapped call), PROFILE_CALLS (calls
-after the first, default 0: a timeline profiler sees warm calls)."""
+default: the launch heuristic), PROFILE_CALLS (calls after the first, default 0: a timeline
+profiler sees warm calls)."""
 
 import os
 
@@ -16,8 +16,6 @@ T, H = 8192, int(os.environ.get("PROFILE_HEADS", "12"))
 options = {"numerics": os.environ.get("PROFILE_NUMERICS", "flashkda")}
 if os.environ.get("PROFILE_SPLIT"):
     options["column_split"] = int(os.environ["PROFILE_SPLIT"])
-if os.environ.get("PROFILE_OVERLAP") == "1":
-    options["overlap"] = True
 
 
 def bf16(*shape):

@@ -20,11 +20,8 @@ def bf16(*shape):
 args = dict(q=bf16(1, T, H, 128), k=bf16(1, T, H, 128), v=bf16(1, T, H, 128), g=bf16(1, T, H, 128),
             beta=bf16(1, T, H), A_log=jnp.zeros((H,), jnp.float32),
             dt_bias=jnp.asarray(rng.standard_normal((H, 128)), jnp.float32))
-# every column split as two calls and as the overlapped call (prepare and the recurrence side by
-# side, ready counters between them), and the baseline recurrence
-recurrences = ([dict(column_split=bv) for bv in (16, 32, 64, 128)]
-               + [dict(column_split=bv, overlap=True) for bv in (16, 32, 64)]
-               + [dict(recurrence="baseline")])
+# every column split and the baseline recurrence
+recurrences = [dict(column_split=bv) for bv in (16, 32, 64, 128)] + [dict(recurrence="baseline")]
 for inverse in ("stable", "neumann"):
     for which in recurrences:
         out, st = jax_kda.kda_prefill(**args, cu_seqlens=jnp.asarray(cu), inverse=inverse,

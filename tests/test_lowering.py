@@ -145,32 +145,6 @@ def test_kda_prefill_recurrence_option_picks_the_kernel(monkeypatch, column_spli
     assert f"block_v = {want} : i32" in split
     # the prepare call does not depend on the recurrence kernel
     assert baseline["jax_kda_prepare_v1"] == lower()["jax_kda_prepare_v1"]
-    assert lower(overlap=False) == lower()
-    # overlap=True: one call runs both kernels, with prepare's gate attributes, the column split
-    # and the prepare CTAs per SM beside the recurrence
-    fused = lower(column_split=column_split, overlap=True)
-    assert set(fused) == {"jax_kda_prefill_overlap_v1"}
-    fused = fused["jax_kda_prefill_overlap_v1"]
-    assert f"block_v = {want} : i32" in fused
-    assert f"overlap = {contract.OVERLAP_PREPARE_CTAS_PER_SM} : i32" in fused
-    for attr in ("scale", "lower_bound", "inverse"):
-        assert re.search(attr + r" = [^,}]+", fused).group() in baseline["jax_kda_prepare_v1"]
-
-
-@pytest.mark.parametrize("overlap, ctas, want", [(True, 2, 2), (True, 6, 6), (False, 4, 0)])
-def test_prefill_overlap_call_passes_the_prepare_ctas_per_sm(overlap, ctas, want):
-    """The schedule knob of benchmarks/overlap_schedule.py: the overlap attribute is the prepare
-    CTAs per SM when the launch overlaps, 0 (one kernel after the other) when it does not."""
-    T, H, N = 48, 2, 1
-    S = jax.ShapeDtypeStruct
-    args = ([S((T, H, 128), BF16)] * 4 + [S((T, H), BF16), S((H,), F32), S((H, 128), F32),
-            S((N + 1,), I32), S((N, H, 128, 128), BF16)])
-    launch = RecurrenceLaunch("column_split", 16, overlap=overlap)
-    fn = lambda *a: _ffi.prefill_overlap_call(*a, scale=0.5, lower_bound=-5.0, inverse="stable",
-                                              launch=launch, prepare_ctas_per_sm=ctas)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    fused = _custom_calls(text)["jax_kda_prefill_overlap_v1"]
-    assert f"overlap = {want} : i32" in fused
 
 
 def test_default_recurrence_runs_the_baseline_for_many_short_sequences(monkeypatch):

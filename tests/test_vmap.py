@@ -329,20 +329,3 @@ def test_gpu_vmapped_kernels_equal_a_loop(varlen, kernel_gpus):
         o, s = one(*(x[i] for x in args[:6]), *args[6:])
         np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(o, np.float32))
         np.testing.assert_array_equal(np.asarray(state[i], np.float32), np.asarray(s, np.float32))
-
-
-def test_vmapped_overlapped_call_lowers_to_one_custom_call(monkeypatch):
-    """overlap=True under vmap: one overlapped call on the folded problem (n*B sequences)."""
-    monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)
-    n, b, t = 3, 2, 24
-    batch = make_batch(n, b, t, seed=11)
-    args = [batch[a] for a in ORDER[:8]]
-    in_axes = (0, 0, 0, 0, 0, None, None, 0)
-    args = [x[0] if ax is None else x for x, ax in zip(args, in_axes)]
-    call = public_call("kernel", overlap=True)
-    text = (jax.jit(jax.vmap(call, in_axes=in_axes)).trace(*args)
-            .lower(lowering_platforms=("cuda",)).as_text())
-    assert custom_call_targets(text) == ["jax_kda_prefill_overlap_v1"]
-    assert f"tensor<{n * b * t}x{H}x128xbf16>" in text
-    assert re.findall(r"block_v = (\d+) : i32", text) == [
-        str(_launch.choose_block_v(num_seqs=n * b, heads=H))]

@@ -77,7 +77,6 @@ from .ptx import (
     ld_shared_u16,
     mul_bf16x2,
     pack_bf16x2,
-    publish_count,
     rsqrt_approx,
     select_lt,
     sigmoid,
@@ -176,30 +175,8 @@ class KdaPrepare:
         scale: Float32,
         lower_bound: Float32,
     ):
-        slot, head, _ = cute.arch.block_idx()
-        self.write_record(
-            slot, head, mQ, mK, mG, mBeta, mALog, mDtBias, mCuSeqlens, mWorkspace, scale,
-            lower_bound,
-        )
-
-    @cute.jit
-    def write_record(
-        self,
-        slot: Int32,
-        head: Int32,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        scale: Float32,
-        lower_bound: Float32,
-    ):
-        """The record of workspace slot `slot` of `head` (nothing for a slot of no chunk)."""
         tid, _, _ = cute.arch.thread_idx()
+        slot, head, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tid % 32
         t_total = mQ.shape[0]
@@ -741,90 +718,6 @@ class KdaPrepare:
             s_inv[r, c] = f32_to_bf16(f16_to_f32(f16_add(s_i0[r, c], a[i])))
 
 
-class KdaPrepareOverlap(KdaPrepare):
-    """The prepare kernel of the overlapped prefill (docs/kernel_abi.md "Overlapped prefill"):
-    the same records from a grid of num_ctas CTAs that walk the (slot, head) pairs slot-major,
-    the head fastest (CTA b takes pairs b, b + num_ctas, ...), so the first chunks of every head
-    are written first; after each record its count goes to the ready counters mReady (int32
-    [contract.ready_words(H, S)], zero before the launch; word head * blocks + slot //
-    READY_BLOCK_SLOTS). Every CTA triggers its dependents at its start: a recurrence launched
-    behind it with programmatic stream serialization may start once all of these CTAs are
-    resident, which the caller makes possible by sizing num_ctas to leave room for it. No CTA
-    here waits for anything, so the recurrence's waits on the counters always end."""
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mReady: cute.Tensor,
-        scale: cutlass.Float32,
-        lower_bound: cutlass.Float32,
-        num_ctas: Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            mQ,
-            mK,
-            mG,
-            mBeta,
-            mALog,
-            mDtBias,
-            mCuSeqlens,
-            mWorkspace,
-            mReady,
-            scale,
-            lower_bound,
-        ).launch(
-            grid=(num_ctas, 1, 1),
-            block=(NUM_THREADS, 1, 1),
-            stream=stream,
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mReady: cute.Tensor,
-        scale: Float32,
-        lower_bound: Float32,
-    ):
-        cute.arch.griddepcontrol_launch_dependents()
-        num_slots = mWorkspace.shape[1]
-        num_heads = mWorkspace.shape[0]
-        blocks = contract.ready_blocks(num_slots)
-        ready = mReady.iterator.toint()
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        num_ctas, _, _ = cute.arch.grid_dim()
-        for pair in range(Int32(bid), num_slots * num_heads, Int32(num_ctas)):
-            slot = pair // num_heads
-            head = pair - slot * num_heads
-            self.write_record(
-                slot, head, mQ, mK, mG, mBeta, mALog, mDtBias, mCuSeqlens, mWorkspace, scale,
-                lower_bound,
-            )
-            # every store of the record precedes thread 0's count, and every shared-memory read
-            # of this record precedes the next record's writes
-            cute.arch.sync_threads()
-            if tid == 0:
-                word = head * blocks + slot // contract.READY_BLOCK_SLOTS
-                publish_count(ready + Int64(word) * 4)
-
-
 @cute.jit
 def _mma_16x16(tiled_mma, thr_mma, acc, s_a: cute.Tensor, s_b: cute.Tensor):
     """acc += A.B^T for A (16, K), B (16, K) in shared memory, k-blocks ascending."""
@@ -959,20 +852,7 @@ def prepare_args():
     )
 
 
-def prepare_overlap_args():
-    """Fake arguments of KdaPrepareOverlap.__call__: prepare_args() with the ready counters
-    (int32 [R], R dynamic) after the workspace and num_ctas after the two scalars."""
-    args = prepare_args()
-    ready = fake_tensor(Int32, (symbol("R"),), 4)
-    return args[:8] + (ready,) + args[8:10] + (Int32(0),) + args[10:]
-
-
-def compile_kernel(inverse: str = "stable", arch: str = "sm_90a", *, overlap: bool = False,
-                   dump_dir: str | None = None):
+def compile_kernel(inverse: str = "stable", arch: str = "sm_90a", *, dump_dir: str | None = None):
     """The prepare kernel with the given inverse, compiled for `arch`
-    (compile_utils.compile_for_arch); with overlap, the overlapped prefill's
-    (KdaPrepareOverlap)."""
-    if overlap:
-        return compile_for_arch(KdaPrepareOverlap(inverse), prepare_overlap_args(), arch,
-                                dump_dir=dump_dir)
+    (compile_utils.compile_for_arch)."""
     return compile_for_arch(KdaPrepare(inverse), prepare_args(), arch, dump_dir=dump_dir)

@@ -599,14 +599,6 @@ def cta_barrier(*, loc=None, ip=None):
 
 
 @dsl_user_op
-def cta_barrier_unaligned(*, loc=None, ip=None):
-    """The CTA barrier for warps that reach it at different instructions (a poll warp beside
-    compute warps): bar.sync is barrier.sync.aligned, whose threads must all execute the same
-    instruction."""
-    _store([], "barrier.sync 0;", "", loc, ip)
-
-
-@dsl_user_op
 def ld_global_u16(gmem_addr, *, loc=None, ip=None):
     """Zero-extended *(u16*)addr, coherent path (the buffer may alias an output)."""
     return _load(
@@ -1113,49 +1105,3 @@ def sigmoid_exp2(x, *, loc=None, ip=None) -> Float32:
     numerics mode's gates and betas (docs/fp32_mode.md)."""
     e = ex2_approx(fmul(x, Float32(-LOG2E), loc=loc, ip=ip), loc=loc, ip=ip)
     return rcp_approx(fadd(e, Float32(1.0), loc=loc, ip=ip), loc=loc, ip=ip)
-
-
-# ---------------------------------------------------------------- ready counters between grids
-# The overlapped prefill (docs/kernel_abi.md "Overlapped prefill"): prepare CTAs count finished
-# records in global u32 words, the recurrence waits for the count it needs. The writer publishes
-# with a gpu-scope fence before a relaxed add (its CTA's stores are ordered before it by a CTA
-# barrier), the reader observes with acquire loads, so every store of the counted records happens
-# before the reader's later loads.
-@dsl_user_op
-def publish_count(gmem_addr, *, loc=None, ip=None):
-    """*(u32*)addr += 1 with release semantics at gpu scope (after a CTA barrier, it releases
-    every store the CTA made before it). A release, not fence.acq_rel: on sm_90 the acquire half
-    would also invalidate the SM's L1 (CCTL.IVALL) after every record."""
-    _store(
-        [_i64(gmem_addr, loc, ip)],
-        "red.release.gpu.global.add.u32 [$1], 1;",
-        "l",
-        loc,
-        ip,
-    )
-
-
-# Between two polls of a ready counter: a few hundred ns against the ~450 ns of one recurrence
-# chunk; the poll warp waits READY_AHEAD chunks ahead, so this costs the chain nothing.
-POLL_SLEEP_NS = 256
-
-
-@dsl_user_op
-def wait_count_at_least(gmem_addr, expected, *, loc=None, ip=None):
-    """Spin until *(u32*)addr >= expected, then read it once more with ld.acquire.gpu. The spin
-    reads are relaxed: on sm_90 an acquire load also invalidates the SM's L1 (CCTL.IVALL), which
-    at every poll would take the L1 from the CTAs beside the poll warp. The count only grows, so
-    the final acquire load sees it complete too and orders what follows. A nanosleep between
-    polls leaves the issue slots to those CTAs."""
-    _store(
-        [_i64(gmem_addr, loc, ip), _i32(expected, loc, ip)],
-        "{\n\t.reg .pred p;\n\t.reg .u32 v;\n\tPOLL_AGAIN:\n\t"
-        "ld.relaxed.gpu.global.u32 v, [$1];\n\t"
-        "setp.lt.u32 p, v, $2;\n\t"
-        f"@p nanosleep.u32 {POLL_SLEEP_NS};\n\t"
-        "@p bra POLL_AGAIN;\n\t"
-        "ld.acquire.gpu.global.u32 v, [$1];\n\t}",
-        "l,r",
-        loc,
-        ip,
-    )

@@ -83,7 +83,7 @@ from cutlass.memory import SmemAllocator
 
 from .. import contract
 from . import ptx
-from .compile_utils import compile_for_arch, fake_tensor, symbol
+from .compile_utils import compile_for_arch
 from .recurrence_common import (
     CHUNK,
     OFF_GT,
@@ -217,22 +217,6 @@ class KdaRecurrence:
         mOut: cute.Tensor,
         mStateT: cute.Tensor,
     ):
-        self.run_prefill(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT, False)
-
-    @cute.jit
-    def run_prefill(
-        self,
-        mV: cute.Tensor,
-        mBeta: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mState0: cute.Tensor,
-        mOut: cute.Tensor,
-        mStateT: cute.Tensor,
-        poll_warp: Constexpr,
-    ):
-        """The compute warps' whole task; with poll_warp (KdaRecurrenceOverlap) one CTA barrier
-        more, before the first record copy, that the poll warp takes part in."""
         cta = _cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
         state_off = (Int64(cta.seq) * Int64(cta.num_heads) + Int64(cta.head)) * (D * D)
         s0_base = mState0.iterator.toint() + state_off * 2
@@ -246,10 +230,6 @@ class KdaRecurrence:
         state = _state_registers(self)
         _load_state_u16(cta, state, s0_base)
         regs = _loop_registers(self)
-        if cutlass.const_expr(poll_warp):
-            # the poll warp meets these barriers at its own instructions: the unaligned form
-            cta.barrier = ptx.cta_barrier_unaligned
-            cta.barrier()  # the poll warp has seen the first records counted
         if cta.num_chunks > 0:
             _prologue_loads(cta, ring)
             _prologue(cta, ring, state, regs)
@@ -258,112 +238,6 @@ class KdaRecurrence:
         ptx.cp_async_wait(0)  # no copy may still target this CTA's shared memory at exit
         # ---- final state (also for zero-length sequences: the initial state) ----
         _store_state_u16(cta, state, sT_base)
-
-
-class KdaRecurrenceOverlap(KdaRecurrence):
-    """The column-split recurrence of the overlapped prefill (docs/kernel_abi.md "Overlapped
-    prefill"): launched with use_pdl behind the prepare kernel (KdaPrepareOverlap), it may run
-    while prepare still writes the workspace, so each record is read only once prepare's ready
-    counters (mReady) say it is complete. Launched without use_pdl (or whenever the two do not
-    run side by side) every count is complete when it starts.
-
-    One more warp per CTA, the poll warp, does the waiting: before each of the compute warps' CTA
-    barriers it makes sure (acquire loads of the counters) that every record the compute warps
-    copy after that barrier is counted, READY_AHEAD chunks beyond the next one they copy, and then
-    takes part in the barrier. The compute warps run the prefill kernel's pieces unchanged plus
-    one CTA barrier before their first record copy, so out and the final state are bitwise the
-    prefill kernel's. At the end every thread waits for the prepare grid to be complete
-    (griddepcontrol.wait; it is, but its last stores may still be in flight), so that this grid
-    ends after it."""
-
-    def __init__(self, block_v: int = 32):
-        super().__init__(block_v)
-        self.launch_threads = self.num_threads + 32  # the compute warps and the poll warp
-
-    @cute.jit
-    def __call__(
-        self,
-        mV: cute.Tensor,  # bf16 [T_total, H, 128]
-        mBeta: cute.Tensor,  # bf16 [T_total, H]
-        mWorkspace: cute.Tensor,  # uint8 [H, S, 13824]
-        mCuSeqlens: cute.Tensor,  # int32 [N + 1]
-        mState0: cute.Tensor,  # bf16 [N, H, 128, 128] (n, h, v, k)
-        mOut: cute.Tensor,  # bf16 [T_total, H, 128]
-        mStateT: cute.Tensor,  # bf16 [N, H, 128, 128]
-        mReady: cute.Tensor,  # int32 [contract.ready_words(H, S)]
-        use_pdl: Int32,  # 1: programmatic stream serialization behind prepare
-        stream: cuda.CUstream,
-    ):
-        num_heads = mV.shape[1]
-        num_seqs = mCuSeqlens.shape[0] - 1
-        self.kernel(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT, mReady).launch(
-            grid=[D // self.block_v, num_heads, num_seqs],
-            block=[self.launch_threads, 1, 1],
-            stream=stream,
-            use_pdl=use_pdl,
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        mV: cute.Tensor,
-        mBeta: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mState0: cute.Tensor,
-        mOut: cute.Tensor,
-        mStateT: cute.Tensor,
-        mReady: cute.Tensor,
-    ):
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == self.num_warps:
-            _, _, seq = cute.arch.block_idx()
-            bos, eos = sequence_bounds(mCuSeqlens, seq, mV.shape[0])
-            _, head, _ = cute.arch.block_idx()
-            _poll_warp(mReady.iterator.toint(), head, mWorkspace.shape[1], bos // CHUNK + seq,
-                       (eos - bos + (CHUNK - 1)) // CHUNK)
-        else:
-            self.run_prefill(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT, True)
-        cute.arch.griddepcontrol_wait()
-
-
-# The poll warp waits this many chunks beyond the record the compute warps copy next, so that its
-# acquire load of a counter is done long before that copy is issued.
-READY_AHEAD = contract.READY_BLOCK_SLOTS
-
-
-def _wait_block(head_counters, block, num_slots):
-    """Wait until ready-counter `block` of this head has counted every slot of its block."""
-    size = cutlass.min(Int32(contract.READY_BLOCK_SLOTS),
-                       num_slots - block * contract.READY_BLOCK_SLOTS)
-    ptx.wait_count_at_least(head_counters + Int64(block) * 4, size)
-
-
-@cute.jit
-def _poll_warp(ready: Int64, head: Int32, num_slots: Int32, slot0: Int32, num_chunks: Int32):
-    """The poll warp of KdaRecurrenceOverlap: the compute warps' barrier sequence (one before the
-    first record copy, the prologue's, one per chunk), each barrier preceded by the wait for the
-    records that may be copied after it (slot0 + chunk, clamped to the last chunk as the stage
-    loads are)."""
-    blocks = contract.ready_blocks(num_slots)
-    head_counters = ready + Int64(head * blocks) * 4
-    last = num_chunks - 1
-    ready_until = slot0  # every slot below this one is known to be complete
-    target = slot0 + cutlass.min(Int32(LOOKAHEAD - 1 + READY_AHEAD), last)
-    while ready_until <= target:
-        block = ready_until // contract.READY_BLOCK_SLOTS
-        _wait_block(head_counters, block, num_slots)
-        ready_until = (block + 1) * contract.READY_BLOCK_SLOTS
-    ptx.cta_barrier_unaligned()
-    if num_chunks > 0:
-        ptx.cta_barrier_unaligned()  # the prologue's
-        for c in range(num_chunks):
-            target = slot0 + cutlass.min(c + (LOOKAHEAD + READY_AHEAD), last)
-            while ready_until <= target:
-                block = ready_until // contract.READY_BLOCK_SLOTS
-                _wait_block(head_counters, block, num_slots)
-                ready_until = (block + 1) * contract.READY_BLOCK_SLOTS
-            ptx.cta_barrier_unaligned()  # chunk c's
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,9 +321,6 @@ def _cta_setup(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut):
         src=src,
         out_row_bytes=out_row_bytes,
         out_lane=out_lane,
-        # the barrier of the prologue and of every chunk step (run_prefill swaps it where a poll
-        # warp meets it from other instructions)
-        barrier=ptx.cta_barrier,
     )
 
 
@@ -527,7 +398,7 @@ def _prologue(cta, ring, state, regs):
     lane = cta.lane
     zero_f = regs.zero_f
     ptx.cp_async_wait(LOOKAHEAD - 1)  # chunk 0 has landed (this thread's copies)
-    cta.barrier()  # ... and everybody's
+    ptx.cta_barrier()  # ... and everybody's
     p0 = [[zero_f] * 4 for _ in range(NT)]
     o0 = [[zero_f] * 4 for _ in range(NT)]
     for kb in range(8):
@@ -612,7 +483,7 @@ def _chunk_step(cta, ring, state, regs, c):
     src = cta.src
     # Chunk c+1 visible to all; the stage of chunk c-1 is free (refilled further down).
     ptx.cp_async_wait(LOOKAHEAD - 2)
-    cta.barrier()
+    ptx.cta_barrier()
     nxt = ring + ((c + 1) % STAGES) * STAGE_BYTES
     row_tok0 = cta.bos + c * CHUNK
 
@@ -1082,23 +953,11 @@ def compile_kernel(
     *,
     state_dtype: str = "bf16",
     serving: bool = False,
-    overlap: bool = False,
     dump_dir: str | None = None,
 ):
     """The column-split recurrence with `block_v` value columns per CTA, compiled for `arch`
     (compile_utils.compile_for_arch): the prefill kernel, with serving=True the serving
-    variant with `state_dtype` ("bf16" | "f32") state pools, with overlap the overlapped
-    prefill's (KdaRecurrenceOverlap)."""
-    if overlap:
-        return compile_for_arch(KdaRecurrenceOverlap(block_v), recurrence_overlap_args(), arch,
-                                dump_dir=dump_dir)
+    variant with `state_dtype` ("bf16" | "f32") state pools."""
     kernel = KdaRecurrence(block_v, state_dtype, serving)
     args = recurrence_pool_args(state_dtype) if serving else recurrence_args()
     return compile_for_arch(kernel, args, arch, dump_dir=dump_dir)
-
-
-def recurrence_overlap_args():
-    """Fake arguments of KdaRecurrenceOverlap.__call__: recurrence_args() with the ready counters
-    (int32 [R], R dynamic) and use_pdl before the stream."""
-    args = recurrence_args()
-    return args[:-1] + (fake_tensor(Int32, (symbol("R"),), 4), Int32(0)) + args[-1:]
