@@ -47,6 +47,7 @@ from kernel_sim import (
 )
 
 from jax_kda import contract
+from jax_kda.kernels import recurrence_common as common
 
 # ------------------------------------------------------------------------------------------
 # One warp over a few chunks, in the kernel's software-pipelined order, driven by its index maps
@@ -434,7 +435,7 @@ def test_stage_loader_copies_the_right_bytes(block_v, beta_misalign, eos, monkey
     for chunk in range(2):
         stage = chunk * stage_bytes
         for tid in range(32 * n_warps):
-            src = rec._Sources(
+            src = common.StageSources(
                 ws_head=ws_base + head * n_slots * rec.RECORD_BYTES,
                 slot0=slot0,
                 v_col0=v_base + col_cta * 2,
@@ -463,7 +464,7 @@ def test_stage_loader_copies_the_right_bytes(block_v, beta_misalign, eos, monkey
         )
         assert not v_tile[n_valid:].any(), "rows past the sequence end must not be read"
         for r in range(n_valid):
-            bits = rec._beta_bits(src, stage, Int32(bos + 16 * chunk), r)
+            bits = common.beta_bits(src, stage, Int32(bos + 16 * chunk), r)
             assert int(bits) == beta[rows[r], head], (chunk, r)
     # the last element of beta starts a 4-byte word only for an even array start: then (and
     # only then) the synchronous fallback must have been taken for it
@@ -560,7 +561,7 @@ def test_state_copy_units_cover_the_slice_once_coalesced_and_conflict_free(esz, 
 
 def _cta(block_v, tid, head=1, num_heads=3):
     n_warps, n_tiles = rec.warp_split(block_v)
-    return rec._Cta(
+    return common.Cta(
         n_tiles=n_tiles,
         block_v=block_v,
         nthreads=32 * n_warps,

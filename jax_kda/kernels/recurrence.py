@@ -27,10 +27,10 @@ Shared memory: a ring of STAGES stages, each holding the chunk's 13,824-byte wor
 values. All threads fill it with cp.async, LOOKAHEAD chunks ahead; one CTA barrier per chunk makes
 a stage visible and frees the stage being refilled. Outputs go from registers to global memory.
 
-The kernel body is assembled from plain trace-time pieces (_cta_setup, _prologue_loads,
-_prologue, _chunk_step, u_to_b_operand, out_add, state_tile_update, ...) that the kernels call in
-a fixed order, so a variant that reuses them emits the same instructions for them; the fused
-decode kernel (decode.py) reuses the chunk-step arithmetic.
+The kernel body is assembled from plain trace-time pieces (recurrence_common.cta_setup,
+_prologue_loads, _prologue, _chunk_step, u_to_b_operand, out_add, state_tile_update, ...) that
+the kernels call in a fixed order, so a variant that reuses them emits the same instructions for
+them; the fused decode kernel (decode.py) reuses the chunk-step arithmetic.
 
 Serving variant (KdaRecurrence(block_v, state_dtype, serving=True), class KdaRecurrencePool):
 states in a pool, bf16 or f32, updated in place, and checkpoints. Host __call__(mV, mBeta,
@@ -98,13 +98,14 @@ from .recurrence_common import (
     D,
     acc_col,
     acc_row,
+    beta_bits,
     checkpoint_segments,
+    cta_setup,
     ldmatrix_a_offset,
     ldmatrix_krt_offset,
     ldmatrix_small_offset,
     recurrence_args,
     recurrence_pool_args,
-    sequence_bounds,
     state_copy_unit,
     state_frag_count,
     state_frag_offset,
@@ -217,7 +218,7 @@ class KdaRecurrence:
         mOut: cute.Tensor,
         mStateT: cute.Tensor,
     ):
-        cta = _cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
+        cta = cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
         state_off = (Int64(cta.seq) * Int64(cta.num_heads) + Int64(cta.head)) * (D * D)
         s0_base = mState0.iterator.toint() + state_off * 2
         sT_base = mStateT.iterator.toint() + state_off * 2
@@ -245,85 +246,6 @@ class KdaRecurrence:
 # kernels keep the `if num_chunks > 0` and the chunk loop), so that every variant emits the same
 # instructions in the same order for the same piece.
 # ----------------------------------------------------------------------------------------------
-class _Cta:
-    """Per-CTA trace-time values of a column-split recurrence CTA (a plain bag)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-def _cta_setup(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut):
-    """Thread / block indices, the sequence's bounds and chunk count, the stage loader's sources
-    and this lane's out addresses."""
-    NT = rec.n_tiles
-    BV = rec.block_v
-    tid, _, _ = cute.arch.thread_idx()
-    slice_idx, head, seq = cute.arch.block_idx()
-    warp = tid // 32
-    lane = tid % 32
-    t2 = acc_col(lane)
-
-    t_total = mV.shape[0]
-    num_heads = mV.shape[1]
-    num_slots = mWorkspace.shape[1]
-
-    bos, eos = sequence_bounds(mCuSeqlens, seq, t_total)
-    num_chunks = (eos - bos + (CHUNK - 1)) // CHUNK
-    last_chunk = num_chunks - 1
-    slot0 = bos // CHUNK + seq
-
-    col_cta = slice_idx * BV  # first value column of this CTA
-    col_w = warp * (8 * NT)  # first column of this warp, relative to col_cta
-
-    # Raw addresses (compact row-major tensors, docs/kernel_abi.md).
-    src = _Sources(
-        ws_head=mWorkspace.iterator.toint()
-        + Int64(head) * Int64(num_slots) * RECORD_BYTES,
-        slot0=slot0,
-        v_col0=mV.iterator.toint() + Int64(col_cta) * 2,
-        beta_base=mBeta.iterator.toint(),
-        num_heads=num_heads,
-        head=head,
-        bos=bos,
-        eos=eos,
-        beta_elems=t_total * num_heads,
-        tid=tid,
-        nthreads=rec.num_threads,
-        block_v=BV,
-        v_off=rec.v_off,
-        beta_off=rec.beta_off,
-    )
-    # out[tok, head, col] lives at out_lane[nt] + tok * out_row_bytes (this lane's column
-    # of n-tile nt)
-    out_row_bytes = Int64(num_heads) * (D * 2)
-    out_lane = [
-        mOut.iterator.toint()
-        + (Int64(head) * D + Int64(col_cta + col_w + nt * 8 + t2)) * 2
-        for nt in range(NT)
-    ]
-    return _Cta(
-        n_tiles=NT,
-        block_v=BV,
-        stage_bytes=rec.stage_bytes,
-        nthreads=rec.num_threads,
-        tid=tid,
-        lane=lane,
-        t2=t2,
-        head=head,
-        seq=seq,
-        num_heads=num_heads,
-        bos=bos,
-        eos=eos,
-        num_chunks=num_chunks,
-        last_chunk=last_chunk,
-        col_cta=col_cta,
-        col_w=col_w,
-        src=src,
-        out_row_bytes=out_row_bytes,
-        out_lane=out_lane,
-    )
-
-
 def _state_registers(rec):
     """The state slice S^T[128, 8 * NT] of this warp, bf16 pairs in the accumulator layout."""
     return cute.make_rmem_tensor(cute.make_layout(8 * rec.n_tiles * 2), Int32)
@@ -633,7 +555,7 @@ class KdaRecurrencePool(KdaRecurrence):
         checkpoint_chunks: Int32,
     ):
         ESZ: Constexpr = self.state_elem_bytes
-        cta = _cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
+        cta = cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
         row = mStateIndices[cta.seq]
         smem = SmemAllocator().allocate(self.smem_bytes + 16, byte_alignment=128).toint()
         valid = (row >= 0) & (row < mPool.shape[0])
@@ -833,13 +755,6 @@ def checkpoint_offset(mt, nt, half):
     return 8 * nt * D + 16 * mt + 8 * half
 
 
-class _Sources:
-    """Per-CTA constants of the stage loader (a plain bag of trace-time values)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
 def _load_stage(src, chunk, stage):
     """All threads: cp.async of one chunk's record, v rows (this CTA's columns) and beta values
     into the ring stage at shared address `stage`. Nothing past the sequence end is read."""
@@ -903,7 +818,7 @@ def _chunk_operands(src, stage, row_tok0, lane, col_w, n_tiles):
                 )
             )
     for half in range(2):
-        bits = _beta_bits(src, stage, row_tok0, acc_row(lane, half))
+        bits = beta_bits(src, stage, row_tok0, acc_row(lane, half))
         ints.append(ptx.sigmoid_bf16x2_from_logit(bits))
     small_off = ldmatrix_small_offset(lane)
     ints += ptx.ldmatrix_x4(stage + OFF_INV + small_off)
@@ -938,13 +853,6 @@ def _next_chunk_operands(nxt, lane, kb):
     """(kd, qd) A operands of k-block kb from the next chunk's stage."""
     a_off = ldmatrix_a_offset(lane, kb)
     return ptx.ldmatrix_x4(nxt + OFF_KD + a_off), ptx.ldmatrix_x4(nxt + OFF_QD + a_off)
-
-
-def _beta_bits(src, stage, row_tok0, r):
-    """The raw bf16 beta logit of chunk row r from the stage (low 16 bits of an Int32)."""
-    elem = (row_tok0 + r) * src.num_heads + src.head
-    byte = Int32(src.beta_base + Int64(elem) * 2) & 2
-    return ptx.ld_shared_u16(stage + src.beta_off + r * 4 + byte)
 
 
 def compile_kernel(
