@@ -1,6 +1,6 @@
 """CPU checks of the prepare kernel: it compiles for sm_90a and sm_100a (both
-inverse variants) and its PTX/SASS hold the instructions SPEC.md's rounding
-relies on, with no local memory. Needs nvidia-cutlass-dsl (build time only);
+inverse variants) and its PTX/SASS hold the instructions the rounding of
+docs/numerics.md section 3 relies on, with no local memory. Needs nvidia-cutlass-dsl (build time only);
 SASS checks also need cuobjdump (nvidia-cuda-cuobjdump wheel or a CUDA
 toolkit), and are skipped without it.
 """

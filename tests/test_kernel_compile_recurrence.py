@@ -2,11 +2,11 @@
 
 1. A numpy warp simulator: the PTX ISA semantics of ldmatrix / movmatrix / mma.m16n8k16 are
    written out here independently; the kernel's own lane index maps (imported from the kernel
-   module) drive them through several chunks of SPEC kernel 2 in the kernel's software-pipelined
-   order (P(c+1) built k-tile by k-tile from the freshly updated state registers), for every warp
-   of every block_v, and the result must equal the plain matrix formulas. This catches
-   fragment-layout and column-ownership bugs without a GPU (no rounding is simulated: a layout
-   bug gives O(1) errors, so float64 is enough).
+   module) drive them through several chunks of docs/numerics.md section 5 in the kernel's
+   software-pipelined order (P(c+1) built k-tile by k-tile from the freshly updated state
+   registers), for every warp of every block_v, and the result must equal the plain matrix
+   formulas. This catches fragment-layout and column-ownership bugs without a GPU (no rounding
+   is simulated: a layout bug gives O(1) errors, so float64 is enough).
 2. Compilation for sm_90a (every block_v) and sm_100a: the PTX holds the expected number of
    mma.sync m16n8k16 bf16 and movmatrix instructions, the cubin has no local memory (no spills),
    SASS (when cuobjdump is available) has HMMA.16816.F32.BF16 and MOVM, compile time is small;
@@ -161,7 +161,7 @@ def simulate_warp(records, v_tiles, b_rows, S, n_valid_last, n_tiles, warp, bloc
 
 
 def reference_chunk(kd, qd, kr, gt, inv, mqk, S, V, b, n_valid):
-    """SPEC kernel 2 for one chunk without rounding; S[j, k], V [16, cols]."""
+    """docs/numerics.md section 5 for one chunk without rounding; S[j, k], V [16, cols]."""
     P = kd @ S.T
     u = (V - P) * b[:, None]
     u[n_valid:] = 0.0

@@ -1,12 +1,12 @@
-"""Kernel 1, "prepare" (SPEC.md), in CuTe DSL.
+"""The prepare kernel (docs/numerics.md, section 3 "Prepare"), in CuTe DSL.
 
 One CTA of 128 threads per (chunk slot, head). The CTA finds its sequence by a
 binary search over cu_seqlens (docs/kernel_abi.md "Chunk slots"), exits when
 the slot belongs to no chunk, and otherwise writes one 13,824-byte workspace
 record (layout in jax_kda/kernels/workspace_layout.py).
 
-Work split, chosen so that the thread structure is SPEC's rounding order and every shared
-access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, then DRAM):
+Work split, chosen so that the thread structure is the contract's rounding order and every
+shared access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, then DRAM):
   A. All global loads are issued first, as cp.async copies into shared memory
      (q and k into the staging area, g into the shared record's kd bytes, free
      until phase B writes kd), so that one memory round trip serves the chunk:
@@ -116,7 +116,7 @@ INVERSE_SCRATCH_BYTES = 9 * CHUNK * CHUNK * 2
 
 
 class KdaPrepare:
-    """Host entry + device kernel of SPEC.md "Kernel 1, prepare"."""
+    """Host entry + device kernel of docs/numerics.md, section 3 "Prepare"."""
 
     def __init__(self, inverse: str = "stable"):
         if inverse not in INVERSES:
@@ -544,7 +544,8 @@ class KdaPrepare:
 
     @cute.jit
     def _inverse_stable(self, scratch, s_kd, s_ki, s_beta, s_inv, lane: Int32):
-        """INV by two f32 8x8 forward substitutions and one bf16 block step (SPEC 6).
+        """INV by two f32 8x8 forward substitutions and one bf16 block step (docs/numerics.md
+        section 3, step 6, "stable").
 
         scratch: >= 3.5 KB of dead shared memory (bytes)."""
         tile = CHUNK * CHUNK * 2
@@ -633,7 +634,8 @@ class KdaPrepare:
 
     @cute.jit
     def _inverse_neumann(self, scratch, s_kd, s_ki, s_beta, s_inv, lane: Int32):
-        """INV by FlashKDA v1's f16 Neumann series (SPEC 6, "neumann").
+        """INV by FlashKDA v1's f16 Neumann series (docs/numerics.md section 3, step 6,
+        "neumann").
 
         scratch: >= 4.5 KB of dead shared memory (bytes)."""
         tiles = [

@@ -104,7 +104,8 @@ def carve(base, byte_offset, dtype, layout):
 def copy_granules(
     src: cute.Tensor, dst: cute.Tensor, first: Int32, stride: int, begin: int, end: int
 ):
-    """Copy 16-byte granules begin..end-1 of a byte tensor, granule begin+first+i*stride per step."""
+    """Copy 16-byte granules begin..end-1 of a byte tensor: granule begin + first + i * stride
+    at step i."""
     for it in cutlass.range_constexpr((end - begin + stride - 1) // stride):
         v = begin + first + it * stride
         if cutlass.const_expr(begin + (it + 1) * stride <= end):

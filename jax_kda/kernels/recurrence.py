@@ -1,10 +1,11 @@
-"""KDA recurrence (SPEC.md "Kernel 2"), column split, state resident in registers.
+"""KDA recurrence (docs/numerics.md, section 5 "Recurrence"), column split, state resident in
+registers.
 
 Task = (value-column slice, head, sequence), grid (128 / block_v, H, N); no communication
 between CTAs. Every warp owns CW = 8 * NT consecutive value columns and keeps its state slice
 S^T[128 (k), CW (v)] in registers for the whole sequence, bf16, in the m16n8k16 accumulator layout
-(mma_utils.py writes the fragment layouts out): for k-tile mt (16 k) and n-tile nt (8 columns),
-register state[mt, nt, 0] holds S^T[16mt + g][8nt + 2t, 2t+1] and state[mt, nt, 1] holds
+(ptx.py's module docstring writes the fragment layouts out): for k-tile mt (16 k) and n-tile nt
+(8 columns), register state[mt, nt, 0] holds S^T[16mt + g][8nt + 2t, 2t+1] and state[mt, nt, 1] holds
 S^T[16mt + 8 + g][...]. movmatrix.trans of these two registers is exactly the B operand of k-block
 mt of the next chunk's kd . S^T / qd . S^T, so the state never goes through shared memory.
 
