@@ -10,6 +10,9 @@ PIP_FLAGS ?= --disable-pip-version-check -q
 # would silently run the reference on CPU-only jax).
 EXTRAS ?= $(if $(shell nvidia-smi -L 2>/dev/null),test$(comma)cuda13,test)
 comma := ,
+# pip -q hides the build's own output: say what the next minutes are (the kernel build also writes
+# one line per compiled kernel to the terminal, when there is one: jax_kda/_aot/build.py).
+INSTALL_NOTE = $(if $(filter 0,$(JAX_KDA_BUILD_KERNELS)),installing jax_kda without kernels (JAX_KDA_BUILD_KERNELS=0),installing jax_kda and its dependencies; its build compiles every GPU kernel ahead of time (a few minutes))
 
 .PHONY: setup demo test test-gpu lint clean
 
@@ -19,6 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "need Python >= 3.12 (python3.12 on PATH or under ~/.pyenv)"; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
+	@echo "$(INSTALL_NOTE)"
 	$(PY) -m pip install $(PIP_FLAGS) -e '.[$(EXTRAS)]'
 	touch $@
 

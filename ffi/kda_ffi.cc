@@ -5,9 +5,6 @@
 //                               (block_v 16/32/64/128: column split; 0: the baseline kernel)
 //   jax_kda_prepare_fp32_v1     the same in the fp32 numerics mode: 23,040-byte records,
 //   jax_kda_recurrence_fp32_v1  f32 states, column splits only
-//   jax_kda_prefill_overlap_v1  q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state0
-//                               -> out, final_state, workspace, ready counters: both kernels
-//                               in one call, the recurrence reading each record once counted
 // The two modes' handlers are one template over the mode's facts (FlashKdaMode, Fp32Mode).
 //
 // Stages: instantiate (compile time) loads the chosen specialisation into every device XLA
@@ -15,9 +12,6 @@
 // it; execute only validates shapes and launches, so it is safe under CUDA-graph capture.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <cmath>
-#include <climits>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -182,149 +176,6 @@ ffi::Error RecurrenceExecuteOf(cudaStream_t stream, ffi::Buffer<ffi::BF16> v,
 }
 
 // ---------------------------------------------------------------------------------------------
-// overlapped prefill: prepare and the column-split recurrence in one call (flashkda mode)
-
-std::string CheckOverlapAttrs(float scale, float lower_bound, int32_t inverse, int32_t block_v,
-                              int32_t overlap) {
-  const char* call = "prefill_overlap";
-  if (std::string e = CheckGateAttrs(call, scale, lower_bound, inverse); !e.empty()) return e;
-  std::string splits;
-  if (!OneOf(block_v, kOverlapColumnSplits, &splits)) {
-    return "prefill_overlap: attribute block_v must be one of " + splits + ", got " +
-           std::to_string(block_v);
-  }
-  if (overlap < 0 || overlap > 64) {
-    return "prefill_overlap: attribute overlap must be 0 (one kernel after the other) or the "
-           "prepare CTAs per SM beside the recurrence, 1..64, got " + std::to_string(overlap);
-  }
-  return {};
-}
-
-ffi::Error PrefillOverlapInstantiate(float scale, float lower_bound, int32_t inverse,
-                                     int32_t block_v, int32_t overlap) {
-  JAX_KDA_RETURN_IF(CheckOverlapAttrs(scale, lower_bound, inverse, block_v, overlap));
-  if (std::string e = LoadOnActiveDevices(PrepareOverlapSpecs(), {inverse}); !e.empty()) {
-    return Internal(e);
-  }
-  if (std::string e = LoadOnActiveDevices(RecurrenceOverlapSpecs(), {block_v}); !e.empty()) {
-    return Internal(e);
-  }
-  return ffi::Error::Success();
-}
-
-// Both specialisations of the call on the stream's device (loaded unless in_execute finds them
-// loaded already).
-std::string ResolveOverlap(int32_t inverse, int32_t block_v, cudaStream_t stream,
-                           bool in_execute, const KernelSpec<PrepareOverlapArgs>** prepare,
-                           const KernelSpec<RecurrenceOverlapArgs>** recurrence) {
-  std::string e = Resolve(PrepareOverlapSpecs(), "prepare_overlap", InverseText, inverse, stream,
-                          in_execute, prepare);
-  if (e.empty()) {
-    e = Resolve(RecurrenceOverlapSpecs(), "recurrence_overlap", BlockVText, block_v, stream,
-                in_execute, recurrence);
-  }
-  return e;
-}
-
-ffi::Error PrefillOverlapInitialize(
-    cudaStream_t stream, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
-    ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
-    ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::BF16>, ffi::Result<ffi::Buffer<ffi::BF16>>,
-    ffi::Result<ffi::Buffer<ffi::BF16>>, ffi::Result<ffi::Buffer<ffi::U8>>,
-    ffi::Result<ffi::Buffer<ffi::S32>>, float scale, float lower_bound, int32_t inverse,
-    int32_t block_v, int32_t overlap) {
-  JAX_KDA_RETURN_IF(CheckOverlapAttrs(scale, lower_bound, inverse, block_v, overlap));
-  const KernelSpec<PrepareOverlapArgs>* prepare = nullptr;
-  const KernelSpec<RecurrenceOverlapArgs>* recurrence = nullptr;
-  if (std::string e = ResolveOverlap(inverse, block_v, stream, /*in_execute=*/false, &prepare,
-                                     &recurrence);
-      !e.empty()) {
-    return Internal(e);
-  }
-  return ffi::Error::Success();
-}
-
-std::string StreamSmCount(cudaStream_t stream, int* sms) {
-  int device = 0;
-  if (std::string e = StreamDevice(stream, &device); !e.empty()) return e;
-  cudaError_t err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return CudaMessage("cudaDeviceGetAttribute", err);
-  return {};
-}
-
-ffi::Error PrefillOverlapExecute(
-    cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
-    ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> g, ffi::Buffer<ffi::BF16> beta,
-    ffi::Buffer<ffi::F32> a_log, ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::S32> cu_seqlens,
-    ffi::Buffer<ffi::BF16> state0, ffi::Result<ffi::Buffer<ffi::BF16>> out,
-    ffi::Result<ffi::Buffer<ffi::BF16>> state_t, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-    ffi::Result<ffi::Buffer<ffi::S32>> ready, float scale, float lower_bound, int32_t inverse,
-    int32_t block_v, int32_t overlap) {
-  const char* call = "prefill_overlap";
-  JAX_KDA_RETURN_IF(CheckOverlapAttrs(scale, lower_bound, inverse, block_v, overlap));
-  int64_t t = 0, h = 0, n = 0;
-  JAX_KDA_RETURN_IF(CheckProblem(call, q.dimensions(), cu_seqlens.dimensions(), &t, &h, &n));
-  const int64_t s = NumSlots(t, n);
-  const int64_t words = ReadyWords(h, s);
-  PrepareOverlapArgs p;
-  RecurrenceOverlapArgs r;
-  JAX_KDA_RETURN_IF(CheckOperand(call, "q", q, {t, h, kHeadDim}, 2, &p.q));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "k", k, {t, h, kHeadDim}, 2, &p.k));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "v", v, {t, h, kHeadDim}, 2, &r.v));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "g", g, {t, h, kHeadDim}, 2, &p.g));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "beta", beta, {t, h}, 2, &p.beta));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "A_log", a_log, {h}, 1, &p.a_log));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "dt_bias", dt_bias, {h, kHeadDim}, 1, &p.dt_bias));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "cu_seqlens", cu_seqlens, {n + 1}, 1, &p.cu_seqlens));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "initial_state", state0, {n, h, kHeadDim, kHeadDim}, 2,
-                                 &r.state0));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "out (result)", *out, {t, h, kHeadDim}, 2, &r.out));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "final_state (result)", *state_t,
-                                 {n, h, kHeadDim, kHeadDim}, 2, &r.state_t));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "workspace (result)", *workspace, {h, s, kRecordBytes},
-                                 2, &p.workspace));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "ready (result)", *ready, {words}, 1, &p.ready));
-  if (h == 0) return ffi::Error::Success();  // empty grids: nothing to write
-  r.beta = p.beta;
-  r.workspace = p.workspace;
-  r.cu_seqlens = p.cu_seqlens;
-  r.ready = p.ready;
-  p.scale = scale;
-  p.lower_bound = lower_bound;
-  p.stream = r.stream = stream;
-  const KernelSpec<PrepareOverlapArgs>* prepare = nullptr;
-  const KernelSpec<RecurrenceOverlapArgs>* recurrence = nullptr;
-  std::string e = ResolveOverlap(inverse, block_v, stream, /*in_execute=*/true, &prepare,
-                                 &recurrence);
-  // Side by side: prepare on `overlap` CTAs per SM, then the recurrence launched behind it with
-  // programmatic stream serialization, which lets it start once all of prepare's CTAs are
-  // resident; they leave room for it (fewer recurrence CTAs than SMs, each beside `overlap`
-  // prepare CTAs). Prepare never waits for the recurrence, so the recurrence's waits on the
-  // counters end however the two are scheduled (also one after the other). Otherwise prepare
-  // runs one CTA per record and the recurrence after it, as the two separate calls do.
-  const int64_t records = h * s;
-  int64_t prepare_ctas = records;
-  if (e.empty() && overlap > 0) {
-    int sms = 0;
-    e = StreamSmCount(stream, &sms);
-    if (e.empty() && (kHeadDim / block_v) * h * n < sms) {
-      prepare_ctas = std::min<int64_t>(records, int64_t{sms} * overlap);
-      r.use_pdl = 1;
-    }
-  }
-  if (e.empty() && records > INT32_MAX) e = "prefill_overlap: more than 2^31 workspace records";
-  if (e.empty()) {
-    cudaError_t err = cudaMemsetAsync(p.ready.data, 0, words * 4, stream);
-    if (err != cudaSuccess) e = CudaMessage("cudaMemsetAsync (ready counters)", err);
-  }
-  p.num_ctas = static_cast<int32_t>(prepare_ctas);
-  if (e.empty()) e = prepare->launch(p);
-  if (e.empty()) e = recurrence->launch(r);
-  if (!e.empty()) return Internal(e);
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------------------------
 // Bindings: operand order and attribute names are docs/kernel_abi.md.
 
 template <ffi::ExecutionStage stage>
@@ -370,39 +221,6 @@ auto RecurrenceAttributes() {
   return ffi::Ffi::BindInstantiate().Attr<int32_t>("block_v");
 }
 
-auto PrefillOverlapInstantiateBinding() {
-  return ffi::Ffi::BindInstantiate()
-      .Attr<float>("scale")
-      .Attr<float>("lower_bound")
-      .Attr<int32_t>("inverse")
-      .Attr<int32_t>("block_v")
-      .Attr<int32_t>("overlap");
-}
-
-template <ffi::ExecutionStage stage>
-auto PrefillOverlapBinding() {
-  return ffi::Ffi::Bind<stage>()
-      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // q
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // k
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // v
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // g
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // beta
-      .template Arg<ffi::Buffer<ffi::F32>>()   // A_log
-      .template Arg<ffi::Buffer<ffi::F32>>()   // dt_bias
-      .template Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // initial_state
-      .template Ret<ffi::Buffer<ffi::BF16>>()  // out
-      .template Ret<ffi::Buffer<ffi::BF16>>()  // final_state
-      .template Ret<ffi::Buffer<ffi::U8>>()    // workspace (scratch)
-      .template Ret<ffi::Buffer<ffi::S32>>()   // ready counters (scratch)
-      .template Attr<float>("scale")
-      .template Attr<float>("lower_bound")
-      .template Attr<int32_t>("inverse")
-      .template Attr<int32_t>("block_v")
-      .template Attr<int32_t>("overlap");
-}
-
 // One name per (mode, call) for JAX_KDA_HANDLERS, which pastes FN##Instantiate etc.
 #define JAX_KDA_MODE_CALLS(FN, MODE, CALL, BINDING)                          \
   constexpr auto FN##Instantiate = CALL##InstantiateOf<MODE>;               \
@@ -428,7 +246,6 @@ JAX_KDA_HANDLERS(JaxKdaPrepareV1, Prepare)
 JAX_KDA_HANDLERS(JaxKdaRecurrenceV1, Recurrence)
 JAX_KDA_HANDLERS(JaxKdaPrepareFp32V1, PrepareFp32)
 JAX_KDA_HANDLERS(JaxKdaRecurrenceFp32V1, RecurrenceFp32)
-JAX_KDA_HANDLERS(JaxKdaPrefillOverlapV1, PrefillOverlap)
 
 // Which specialisations this library holds, as "name,name,..." (for tests and diagnostics).
 JAX_KDA_EXPORT const char* jax_kda_ffi_kernels() {
@@ -445,8 +262,6 @@ JAX_KDA_EXPORT const char* jax_kda_ffi_kernels() {
     for (const auto& spec : jax_kda::PrepareFp32Specs()) add(spec.module.name);
     for (const auto& spec : jax_kda::RecurrenceFp32Specs()) add(spec.module.name);
     for (const auto& spec : jax_kda::RecurrenceFp32PoolSpecs()) add(spec.module.name);
-    for (const auto& spec : jax_kda::PrepareOverlapSpecs()) add(spec.module.name);
-    for (const auto& spec : jax_kda::RecurrenceOverlapSpecs()) add(spec.module.name);
     return s;
   }();
   return names.c_str();

@@ -24,19 +24,6 @@ struct RecurrenceArgs {
   cudaStream_t stream = nullptr;
 };
 
-// The overlapped prefill's halves: the same operands plus the ready counters between them
-// (int32 [contract.ready_words(H, S)], zero before the launch). Prepare runs on num_ctas CTAs;
-// the recurrence may be launched with programmatic stream serialization (use_pdl) behind it.
-struct PrepareOverlapArgs : PrepareArgs {
-  DenseTensor ready;
-  int32_t num_ctas = 0;
-};
-
-struct RecurrenceOverlapArgs : RecurrenceArgs {
-  DenseTensor ready;
-  int32_t use_pdl = 0;
-};
-
 struct RecurrencePoolArgs {
   DenseTensor v, beta, workspace, cu_seqlens, state_indices, checkpoint_offsets, pool, out,
       checkpoints;
@@ -71,8 +58,5 @@ std::span<const KernelSpec<PrepareArgs>> PrepareFp32Specs();
 std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs();
 // ... and its state-pool recurrence: the operands of RecurrencePoolSpecs' kernels.
 std::span<const KernelSpec<RecurrencePoolArgs>> RecurrenceFp32PoolSpecs();
-// The overlapped prefill (prepare and the column-split recurrence of the flashkda mode).
-std::span<const KernelSpec<PrepareOverlapArgs>> PrepareOverlapSpecs();
-std::span<const KernelSpec<RecurrenceOverlapArgs>> RecurrenceOverlapSpecs();
 
 }  // namespace jax_kda

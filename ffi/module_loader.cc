@@ -66,13 +66,6 @@ std::string LoadLocked(const ModuleEntry& entry, int device) {
   std::vector<cudaKernel_t> kernels(count);
   err = cudaLibraryEnumerateKernels(kernels.data(), count, state.library);
   if (err != cudaSuccess) return CudaMessage("cudaLibraryEnumerateKernels", err);
-  if (entry.smem_carveout >= 0) {
-    for (cudaKernel_t kernel : kernels) {
-      err = cudaKernelSetAttributeForDevice(
-          kernel, cudaFuncAttributePreferredSharedMemoryCarveout, entry.smem_carveout, device);
-      if (err != cudaSuccess) return CudaMessage("setting the shared memory carveout", err);
-    }
-  }
   // cuKernelGetFunction loads the module into the current context: make the device's current.
   int previous = 0;
   err = cudaGetDevice(&previous);

@@ -31,9 +31,6 @@ struct ModuleEntry {
   void (*init)(void**);
   void (*load_to_device)(void**);
   LoadState* state;
-  // cudaFuncAttributePreferredSharedMemoryCarveout (percent) set on its kernels; -1 leaves the
-  // driver's choice (export_to_c drops the DSL's launch option of the same name).
-  int smem_carveout = -1;
 };
 
 // The device `stream` belongs to (XLA may call us from threads whose current device differs).

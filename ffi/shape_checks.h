@@ -68,12 +68,6 @@ inline int64_t NumSlots(int64_t total_tokens, int64_t num_seqs) {
   return (total_tokens + kChunk - 1) / kChunk + num_seqs;
 }
 
-// Words of the overlapped prefill's ready counters (contract.ready_words): one per head and
-// kReadyBlockSlots chunk slots.
-inline int64_t ReadyWords(int64_t heads, int64_t slots) {
-  return heads * ((slots + kReadyBlockSlots - 1) / kReadyBlockSlots);
-}
-
 // T_total and H come from the first token operand, N from cu_seqlens; all else must agree.
 inline std::string CheckProblem(const char* call, xla::ffi::Span<const int64_t> token_dims,
                                 xla::ffi::Span<const int64_t> cu_dims, int64_t* t, int64_t* h,

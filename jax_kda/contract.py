@@ -65,29 +65,6 @@ def workspace_slots(total_tokens: int, num_seqs: int) -> int:
     return -(-total_tokens // CHUNK) + num_seqs
 
 
-# ---- the overlapped prefill's ready counters (docs/kernel_abi.md "Overlapped prefill") -----------
-# int32 words: word h * ready_blocks(S) + b counts the records prepare has finished among head h's
-# slots 16 b .. 16 b + 15.
-READY_BLOCK_SLOTS = 16
-# The column splits of the overlapped call's recurrence: its extra warp would make block_v = 128
-# (nine warps) spill registers.
-OVERLAP_COLUMN_SPLITS = (16, 32, 64)
-# Prepare CTAs per SM while the recurrence runs beside them (the prefill_overlap call's `overlap`
-# attribute): few enough that a recurrence CTA still fits on every SM.
-OVERLAP_PREPARE_CTAS_PER_SM = 4
-
-
-def ready_blocks(slots):
-    """Counters per head: one per READY_BLOCK_SLOTS chunk slots (an int, or the kernels' Int32:
-    slots >= 0, so this rounding up needs no negative division)."""
-    return (slots + (READY_BLOCK_SLOTS - 1)) // READY_BLOCK_SLOTS
-
-
-def ready_words(heads: int, slots: int) -> int:
-    """Words of the ready-counter array."""
-    return heads * ready_blocks(slots)
-
-
 # ---- launch choices and their custom-call attribute encodings -----------------------------------
 COLUMN_SPLITS = (16, 32, 64, 128)  # value columns per CTA of the column-split recurrence
 # The recurrence's `block_v` attribute value that selects the baseline kernel (one CTA per
@@ -98,7 +75,7 @@ STATE_DTYPE_IDS = {"bf16": 0, "f32": 1}  # state pools and checkpoints (chosen b
 MAX_DECODE_TOKENS = CHUNK  # the decode kernel runs one chunk: up to 16 tokens per sequence
 
 # ---- targets and architectures ------------------------------------------------------------------
-ABI_VERSION = 4  # bumped whenever docs/kernel_abi.md changes incompatibly
+ABI_VERSION = 5  # bumped whenever docs/kernel_abi.md changes incompatibly
 PREPARE_TARGET = "jax_kda_prepare_v1"
 RECURRENCE_TARGET = "jax_kda_recurrence_v1"
 # The recurrence on a state pool (state_indices, bf16 or f32 rows updated in place), with
@@ -110,12 +87,8 @@ PREPARE_FP32_TARGET = "jax_kda_prepare_fp32_v1"
 RECURRENCE_FP32_TARGET = "jax_kda_recurrence_fp32_v1"
 # ... and its recurrence on a state pool: RECURRENCE_POOL_TARGET's operands with fp32 records.
 RECURRENCE_FP32_POOL_TARGET = "jax_kda_recurrence_fp32_pool_v1"
-# Prepare and the column-split recurrence in one call, the recurrence running while prepare
-# writes the workspace (ready counters between them).
-PREFILL_OVERLAP_TARGET = "jax_kda_prefill_overlap_v1"
 CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET,
-                       PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, RECURRENCE_FP32_POOL_TARGET,
-                       PREFILL_OVERLAP_TARGET)
+                       PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, RECURRENCE_FP32_POOL_TARGET)
 # CuTe DSL target -> (major, minor) compute capability it runs on. The "a" targets are not
 # forward compatible: sm_90a runs on 9.0 only, sm_100a on 10.0 only.
 ARCHS = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
@@ -142,7 +115,6 @@ def cpp_header() -> str:
     """The C++ header with the numbers the FFI handlers check and dispatch on."""
     sms = ", ".join(str(arch_sm(a)) for a in ARCHS)
     splits = ", ".join(str(b) for b in COLUMN_SPLITS)
-    overlap_splits = ", ".join(str(b) for b in OVERLAP_COLUMN_SPLITS)
     lines = [
         "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); do not edit.",
         "#pragma once",
@@ -163,8 +135,6 @@ def cpp_header() -> str:
         f"constexpr int32_t kStateBf16 = {STATE_DTYPE_IDS['bf16']};",
         f"constexpr int32_t kStateF32 = {STATE_DTYPE_IDS['f32']};",
         f"constexpr int64_t kMaxDecodeTokens = {MAX_DECODE_TOKENS};",
-        f"constexpr int64_t kReadyBlockSlots = {READY_BLOCK_SLOTS};",
-        f"constexpr int32_t kOverlapColumnSplits[] = {{{overlap_splits}}};",
         f"constexpr int kSupportedSms[] = {{{sms}}};  // 10 * major + minor",
         "",
         "}  // namespace jax_kda",

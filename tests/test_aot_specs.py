@@ -89,6 +89,42 @@ def test_build_compiles_every_spec_and_writes_the_contract_header(tmp_path, monk
     assert header == contract.cpp_header()
 
 
+def test_build_reports_each_specialisation_as_it_finishes(tmp_path, monkeypatch):
+    """One "[i/n] prefix seconds" line per finished specialisation, after a line naming the
+    count, on the stream the build is given (the command line picks it: progress_stream)."""
+    import io
+
+    monkeypatch.setattr(build.concurrent.futures, "ProcessPoolExecutor", _InlinePool)
+    monkeypatch.setattr(build, "_compile_one", lambda spec, out: {"prefix": spec.prefix,
+                                                                   "seconds": 1.5})
+    monkeypatch.setattr(specs, "selected_archs", lambda: ("sm_100a",))
+    wanted = [s.prefix for s in specs.all_specs(("sm_100a",))]
+    progress = io.StringIO()
+    build.build(tmp_path / "out", 2, progress)
+    lines = progress.getvalue().splitlines()
+    assert lines[0] == (f"jax_kda AOT: compiling {len(wanted)} kernel specialisations (sm_100a) "
+                        "in 2 processes")
+    # counted in the order they finish, each specialisation once
+    assert [line.split()[0] for line in lines[1:]] == [
+        f"[{i}/{len(wanted)}]" for i in range(1, len(wanted) + 1)]
+    assert sorted(line.split(maxsplit=1)[1] for line in lines[1:]) == sorted(
+        f"{prefix} 1.5 s" for prefix in wanted)
+
+
+def test_progress_goes_to_stdout_without_a_terminal(monkeypatch):
+    """Captured stdout and no controlling terminal (CI, Bazel): progress stays on stdout."""
+    import builtins
+    import io
+
+    def no_tty(path, *args, **kwargs):
+        raise OSError(6, "No such device or address", path)
+
+    captured = io.StringIO()
+    monkeypatch.setattr(build.sys, "stdout", captured)
+    monkeypatch.setattr(builtins, "open", no_tty)
+    assert build.progress_stream() is captured
+
+
 def test_contract_header_carries_the_python_numbers(tmp_path):
     """The header the handlers are compiled against, written by the script CMake runs."""
     out = tmp_path / "kernel_contract.h"

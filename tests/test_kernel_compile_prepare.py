@@ -1,6 +1,6 @@
 """CPU checks of the prepare kernel: it compiles for sm_90a and sm_100a (both
-inverse variants) and its PTX/SASS hold the instructions SPEC.md's rounding
-relies on, with no local memory. Needs nvidia-cutlass-dsl (build time only);
+inverse variants) and its PTX/SASS hold the instructions the rounding of
+docs/numerics.md section 3 relies on, with no local memory. Needs nvidia-cutlass-dsl (build time only);
 SASS checks also need cuobjdump (nvidia-cuda-cuobjdump wheel or a CUDA
 toolkit), and are skipped without it.
 """
@@ -21,7 +21,7 @@ cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
 
 from jax_kda import contract
-from jax_kda.kernels import prepare
+from jax_kda.kernels import prepare, prepare_common
 
 
 def _cuobjdump() -> str | None:
@@ -196,7 +196,7 @@ def test_swizzled_smem_layout_is_the_abi_formula():
 
     @cute.jit
     def trace():
-        lay = prepare._swizzled_tile_layout()
+        lay = prepare_common.swizzled_tile_layout()
         for r in cutlass.range_constexpr(16):
             for c in cutlass.range_constexpr(128):
                 got[r, c] = cute.crd2idx((r, c), lay)
@@ -213,7 +213,7 @@ def test_accumulator_coordinates_are_row_col():
 
     @cute.jit
     def trace():
-        tiled = prepare._tiled_mma_bf16()
+        tiled = prepare_common.tiled_mma_bf16()
         for lane in cutlass.range_constexpr(32):
             coords = tiled.get_slice(lane).partition_C(
                 cute.make_identity_tensor((16, 16))
@@ -235,7 +235,7 @@ def test_accumulator_coordinates_are_row_col():
 
 
 def test_phase_b_word_offsets_are_the_record_swizzle():
-    """Phase B addresses the swizzled tiles by hand (bf16x2 words at _swizzled_byte_offset): it
+    """Phase B addresses the swizzled tiles by hand (bf16x2 words at prepare_common.swizzled_byte_offset): it
     must be the layout the record format defines (workspace_layout.swizzle_index) for every
     column pair, and phase B's thread map (pair t % 64, rows 8 (t // 64) .. + 7) must cover each
     of the tile's words exactly once."""
@@ -248,7 +248,7 @@ def test_phase_b_word_offsets_are_the_record_swizzle():
     for t in range(prepare.NUM_THREADS):
         c0 = 2 * (t % 64)
         for r in range(8 * (t // 64), 8 * (t // 64) + 8):
-            off = prepare._swizzled_byte_offset(r, c0)
+            off = prepare_common.swizzled_byte_offset(r, c0)
             assert off == want[r, c0] and off + 2 == want[r, c0 + 1], (r, c0)
             seen[r, c0 // 2] += 1
     assert (seen == 1).all()

@@ -2,11 +2,11 @@
 
 1. A numpy warp simulator: the PTX ISA semantics of ldmatrix / movmatrix / mma.m16n8k16 are
    written out here independently; the kernel's own lane index maps (imported from the kernel
-   module) drive them through several chunks of SPEC kernel 2 in the kernel's software-pipelined
-   order (P(c+1) built k-tile by k-tile from the freshly updated state registers), for every warp
-   of every block_v, and the result must equal the plain matrix formulas. This catches
-   fragment-layout and column-ownership bugs without a GPU (no rounding is simulated: a layout
-   bug gives O(1) errors, so float64 is enough).
+   module) drive them through several chunks of docs/numerics.md section 5 in the kernel's
+   software-pipelined order (P(c+1) built k-tile by k-tile from the freshly updated state
+   registers), for every warp of every block_v, and the result must equal the plain matrix
+   formulas. This catches fragment-layout and column-ownership bugs without a GPU (no rounding
+   is simulated: a layout bug gives O(1) errors, so float64 is enough).
 2. Compilation for sm_90a (every block_v) and sm_100a: the PTX holds the expected number of
    mma.sync m16n8k16 bf16 and movmatrix instructions, the cubin has no local memory (no spills),
    SASS (when cuobjdump is available) has HMMA.16816.F32.BF16 and MOVM, compile time is small;
@@ -47,6 +47,7 @@ from kernel_sim import (
 )
 
 from jax_kda import contract
+from jax_kda.kernels import recurrence_common as common
 
 # ------------------------------------------------------------------------------------------
 # One warp over a few chunks, in the kernel's software-pipelined order, driven by its index maps
@@ -160,7 +161,7 @@ def simulate_warp(records, v_tiles, b_rows, S, n_valid_last, n_tiles, warp, bloc
 
 
 def reference_chunk(kd, qd, kr, gt, inv, mqk, S, V, b, n_valid):
-    """SPEC kernel 2 for one chunk without rounding; S[j, k], V [16, cols]."""
+    """docs/numerics.md section 5 for one chunk without rounding; S[j, k], V [16, cols]."""
     P = kd @ S.T
     u = (V - P) * b[:, None]
     u[n_valid:] = 0.0
@@ -434,7 +435,7 @@ def test_stage_loader_copies_the_right_bytes(block_v, beta_misalign, eos, monkey
     for chunk in range(2):
         stage = chunk * stage_bytes
         for tid in range(32 * n_warps):
-            src = rec._Sources(
+            src = common.StageSources(
                 ws_head=ws_base + head * n_slots * rec.RECORD_BYTES,
                 slot0=slot0,
                 v_col0=v_base + col_cta * 2,
@@ -463,7 +464,7 @@ def test_stage_loader_copies_the_right_bytes(block_v, beta_misalign, eos, monkey
         )
         assert not v_tile[n_valid:].any(), "rows past the sequence end must not be read"
         for r in range(n_valid):
-            bits = rec._beta_bits(src, stage, Int32(bos + 16 * chunk), r)
+            bits = common.beta_bits(src, stage, Int32(bos + 16 * chunk), r)
             assert int(bits) == beta[rows[r], head], (chunk, r)
     # the last element of beta starts a 4-byte word only for an even array start: then (and
     # only then) the synchronous fallback must have been taken for it
@@ -560,7 +561,7 @@ def test_state_copy_units_cover_the_slice_once_coalesced_and_conflict_free(esz, 
 
 def _cta(block_v, tid, head=1, num_heads=3):
     n_warps, n_tiles = rec.warp_split(block_v)
-    return rec._Cta(
+    return common.Cta(
         n_tiles=n_tiles,
         block_v=block_v,
         nthreads=32 * n_warps,

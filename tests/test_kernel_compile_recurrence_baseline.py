@@ -244,7 +244,7 @@ def simulate_cta(records, v_tiles, b_rows, S, n_valid_last):
 
 
 def reference_chunk(kd, qd, kr, gt, inv, mqk, S, V, b, n_valid):
-    """SPEC kernel 2 for one chunk without rounding; S[j, k], V [16, 128]."""
+    """docs/numerics.md section 5 for one chunk without rounding; S[j, k], V [16, 128]."""
     P = kd @ S.T
     u = (V - P) * b[:, None]
     u[n_valid:] = 0.0

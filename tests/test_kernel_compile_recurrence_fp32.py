@@ -336,7 +336,7 @@ def _cta(block_v, n_tiles, k_split, tid, n_chunks, eos):
     col_cta = 128 - block_v  # the last slice
     _, _, stage_bytes = fp32.stage_layout(block_v)
     row_bytes = HEADS * 128 * 2
-    cta = rec._Cta(
+    cta = common.Cta(
         n_tiles=n_tiles, block_v=block_v, stage_bytes=stage_bytes, nthreads=32 * n_warps,
         tid=tid, lane=lane, t2=rec.acc_col(lane), head=HEAD, seq=0, num_heads=HEADS,
         bos=T_SHIFT, eos=eos, num_chunks=n_chunks, last_chunk=n_chunks - 1, col_cta=col_cta,
@@ -581,7 +581,7 @@ def test_stage_loader_copies_the_record_v_and_beta(block_v, eos, monkeypatch):
     for chunk in range(2):
         stage = chunk * stage_bytes
         for tid in range(32 * n_warps):
-            src = rec._Sources(
+            src = common.StageSources(
                 ws_head=ws_base + head * n_slots * contract.FP32_RECORD_BYTES, slot0=slot0,
                 v_col0=v_base + col_cta * 2, beta_base=beta_base, num_heads=heads, head=head,
                 bos=bos, eos=eos, beta_elems=t_total * heads, tid=tid, nthreads=32 * n_warps,
@@ -596,7 +596,7 @@ def test_stage_loader_copies_the_record_v_and_beta(block_v, eos, monkeypatch):
         np.testing.assert_array_equal(v_tile[:n_valid], v[rows[:n_valid], head, col_cta:])
         assert not v_tile[n_valid:].any(), "rows past the sequence end must not be read"
         for r in range(n_valid):
-            bits = rec._beta_bits(src, stage, Int32(bos + 16 * chunk), r)
+            bits = common.beta_bits(src, stage, Int32(bos + 16 * chunk), r)
             assert int(bits) == beta[rows[r], head], (chunk, r)
 
 
@@ -627,7 +627,7 @@ def test_state_registers_cover_the_slice_once(block_v, n_tiles, k_split):
     seen = []
     for warp in range(n_warps):
         for lane in range(32):
-            cta = rec._Cta(n_tiles=nt_count, col_cta=0, t2=rec.acc_col(lane), lane=lane, eos=99)
+            cta = common.Cta(n_tiles=nt_count, col_cta=0, t2=rec.acc_col(lane), lane=lane, eos=99)
             fp32.warp_role(cta, n_warps, ks, warp, 0, 1 << 20)
             regs = set()
             for mt in range(8 // ks):
@@ -644,7 +644,7 @@ def test_state_registers_cover_the_slice_once(block_v, n_tiles, k_split):
 def test_key_half_address_shifts():
     """A warp of key half 1 reads k-block / k-tile 4 + j of the swizzled tiles and gt at the
     stage address + kshift / + gshift with the offsets of j (warp_role)."""
-    cta = rec._Cta(n_tiles=1, col_cta=0, t2=0, lane=0, eos=1)
+    cta = common.Cta(n_tiles=1, col_cta=0, t2=0, lane=0, eos=1)
     fp32.warp_role(cta, 4, 2, 3, 0, 0)
     assert (cta.kbase, cta.kshift, cta.gshift) == (4, 128, 256)
     for lane in range(32):

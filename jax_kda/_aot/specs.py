@@ -32,17 +32,12 @@ class Spec:
     # prefill kernels
     state_dtype: str | None = None
     intermediate: bool = False  # decode: also writes the state after every token
-    # prepare / recurrence: the overlapped prefill's variant (ready counters between the two)
-    overlap: bool = False
 
     @property
     def call(self) -> str:
         """The custom call that launches it: "prepare", "recurrence", "recurrence_pool",
         "decode", "prepare_fp32", "recurrence_fp32" or "recurrence_fp32_pool"
-        (docs/kernel_abi.md); "prepare_overlap"
-        and "recurrence_overlap" are the two halves of the "prefill_overlap" call."""
-        if self.overlap:
-            return f"{self.kernel}_overlap"
+        (docs/kernel_abi.md)."""
         if self.kernel == "recurrence" and self.state_dtype is not None:
             return "recurrence_pool"
         if self.kernel == "recurrence_fp32" and self.state_dtype is not None:
@@ -59,9 +54,6 @@ class Spec:
         if self.kernel == "decode":
             return {"inverse": self.variant, "state_dtype": self.state_dtype,
                     "intermediate": self.intermediate}
-        if self.overlap:
-            key = "inverse" if self.kernel == "prepare" else "block_v"
-            return {key: self.variant, "overlap": True}
         return {"prepare": {"inverse": self.variant}, "recurrence": {"block_v": self.variant},
                 "recurrence_fp32": {"block_v": self.variant}}.get(self.kernel, {})
 
@@ -96,9 +88,6 @@ class Spec:
         if self.kernel == "decode":
             states = "_states" if self.intermediate else ""
             return f"jax_kda_decode_{self.variant}_{self.state_dtype}{states}_{arch}"
-        if self.overlap:
-            tag = f"_{self.variant}" if self.kernel == "prepare" else f"_bv{self.variant}"
-            return f"jax_kda_{self.kernel}_overlap{tag}_{arch}"
         tags = {"prepare": f"_{self.variant}", "recurrence": f"_bv{self.variant}",
                 "recurrence_fp32": f"_bv{self.variant}"}
         return f"jax_kda_{self.kernel}{tags.get(self.kernel, '')}_{arch}"
@@ -132,9 +121,6 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
         specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs += [Spec("recurrence_fp32", bv, arch, state_dtype=dt)
                   for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]
-        specs += [Spec("prepare", inv, arch, overlap=True) for inv in contract.INVERSE_IDS]
-        specs += [Spec("recurrence", bv, arch, overlap=True)
-                  for bv in contract.OVERLAP_COLUMN_SPLITS]
     return specs
 
 

@@ -1,12 +1,12 @@
-"""Kernel 1, "prepare" (SPEC.md), in CuTe DSL.
+"""The prepare kernel (docs/numerics.md, section 3 "Prepare"), in CuTe DSL.
 
 One CTA of 128 threads per (chunk slot, head). The CTA finds its sequence by a
 binary search over cu_seqlens (docs/kernel_abi.md "Chunk slots"), exits when
 the slot belongs to no chunk, and otherwise writes one 13,824-byte workspace
 record (layout in jax_kda/kernels/workspace_layout.py).
 
-Work split, chosen so that the thread structure is SPEC's rounding order and every shared
-access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, then DRAM):
+Work split, chosen so that the thread structure is the contract's rounding order and every
+shared access moves 128 bytes per wavefront (the kernel is bound by the L1 data pipe, then DRAM):
   A. All global loads are issued first, as cp.async copies into shared memory
      (q and k into the staging area, g into the shared record's kd bytes, free
      until phase B writes kd), so that one memory round trip serves the chunk:
@@ -49,7 +49,21 @@ from cutlass.memory import SmemAllocator
 
 from .. import contract
 from . import workspace_layout as wl
-from .compile_utils import compile_for_arch, fake_stream, fake_tensor, symbol
+from .compile_utils import compile_for_arch
+from .prepare_common import (
+    PackedRows,
+    WarpMma,
+    carve,
+    chunk_rows,
+    copy_granules,
+    locate_chunk,
+    prepare_args,
+    row_major,
+    running_sum_of_half,
+    swizzled_byte_offset,
+    swizzled_tile_layout,
+    tiled_mma_bf16,
+)
 from .ptx import (
     LOG2E,
     beta_to_shared_if,
@@ -77,7 +91,6 @@ from .ptx import (
     ld_shared_u16,
     mul_bf16x2,
     pack_bf16x2,
-    publish_count,
     rsqrt_approx,
     select_lt,
     sigmoid,
@@ -85,7 +98,6 @@ from .ptx import (
     st_shared_b32,
     u32_as_f32,
 )
-from .recurrence_common import sequence_start
 
 D = wl.D
 CHUNK = wl.CHUNK
@@ -103,24 +115,8 @@ RECORD_SMEM_BYTES = RECORD_SMEM["stage"] + 2 * CHUNK * D * 2
 INVERSE_SCRATCH_BYTES = 9 * CHUNK * CHUNK * 2
 
 
-def _swizzled_tile_layout():
-    """(16, 128) bf16 tile, element (r, c) at r*128 + ((c//8) ^ (r%8))*8 + c%8."""
-    return cute.make_composed_layout(
-        cute.make_swizzle(3, 3, 4), 0, cute.make_layout((CHUNK, D), stride=(D, 1))
-    )
-
-
-def _swizzled_byte_offset(r, c):
-    """Byte offset of element (r, c) in _swizzled_tile_layout() (c even: (c, c + 1) is one word)."""
-    return (r * D + (((c // 8) ^ (r % 8)) * 8) + c % 8) * 2
-
-
-def _row_major(rows, cols):
-    return cute.make_layout((rows, cols), stride=(cols, 1))
-
-
 class KdaPrepare:
-    """Host entry + device kernel of SPEC.md "Kernel 1, prepare"."""
+    """Host entry + device kernel of docs/numerics.md, section 3 "Prepare"."""
 
     def __init__(self, inverse: str = "stable"):
         if inverse not in INVERSES:
@@ -176,59 +172,15 @@ class KdaPrepare:
         scale: Float32,
         lower_bound: Float32,
     ):
-        slot, head, _ = cute.arch.block_idx()
-        self.write_record(
-            slot, head, mQ, mK, mG, mBeta, mALog, mDtBias, mCuSeqlens, mWorkspace, scale,
-            lower_bound,
-        )
-
-    @cute.jit
-    def write_record(
-        self,
-        slot: Int32,
-        head: Int32,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        scale: Float32,
-        lower_bound: Float32,
-    ):
-        """The record of workspace slot `slot` of `head` (nothing for a slot of no chunk)."""
         tid, _, _ = cute.arch.thread_idx()
+        slot, head, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tid % 32
-        t_total = mQ.shape[0]
-        num_seqs = mCuSeqlens.shape[0] - 1
-
-        # ---- slot -> (sequence, chunk) by binary search on the slot starts
-        lo = Int32(0)
-        hi = Int32(num_seqs)
-        while lo + 1 < hi:
-            mid = (lo + hi) // 2
-            if sequence_start(mCuSeqlens, mid, t_total) // CHUNK + mid <= slot:
-                lo = mid
-            else:
-                hi = mid
-        seq = lo
-        bos = sequence_start(mCuSeqlens, seq, t_total)
-        # min(): with N = 0 (cu_seqlens of length 1) never read past the array
-        eos = cutlass.max(
-            sequence_start(mCuSeqlens, cutlass.min(seq + 1, num_seqs), t_total), bos
-        )
-        chunk = Int32(slot) - (bos // CHUNK + seq)
-        num_chunks = (eos - bos + CHUNK - 1) // CHUNK
-        active = (num_seqs > 0) & (chunk >= 0) & (chunk < num_chunks)
-
+        active, bos, eos, chunk = locate_chunk(mCuSeqlens, Int32(slot), mQ.shape[0])
         if active:
-            row0 = bos + chunk * CHUNK
-            n_valid = cutlass.min(eos - row0, CHUNK)
+            row0, n_valid = chunk_rows(bos, eos, chunk)
             rec = self.record_inputs(
-                _PackedRows(row0, head, mBeta), mQ, mK, mG, mALog, mDtBias, head, n_valid, tid,
+                PackedRows(row0, head, mBeta), mQ, mK, mG, mALog, mDtBias, head, n_valid, tid,
                 kr_to_global=True, async_copy=True,
             )
             self.record_normalize(rec)
@@ -242,7 +194,7 @@ class KdaPrepare:
             # ---- D. gt, INV and Mqk (96 granules) -> global; kd, qd, kr went out in phase B
             if tid < 96:
                 s_rec_t = cute.make_tensor(rec.s_rec, cute.make_layout(wl.RECORD_BYTES))
-                _copy_granules(
+                copy_granules(
                     s_rec_t, g_rec, tid, 96, wl.GT_OFFSET // 16, wl.RECORD_BYTES // 16
                 )
 
@@ -320,34 +272,34 @@ class KdaPrepare:
             s_rec = smem.allocate_array(Uint8, wl.RECORD_BYTES, byte_alignment=128)
         else:
             s_rec = smem_base
-        s_kd = _carve(s_rec, wl.KD_OFFSET, BFloat16, _swizzled_tile_layout())
-        s_qd = _carve(s_rec, wl.QD_OFFSET, BFloat16, _swizzled_tile_layout())
-        s_gt = _carve(s_rec, wl.GT_OFFSET, Float32, cute.make_layout(D))
-        s_inv = _carve(s_rec, wl.INV_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
-        s_mqk = _carve(s_rec, wl.MQK_OFFSET, BFloat16, _row_major(CHUNK, CHUNK))
+        s_kd = carve(s_rec, wl.KD_OFFSET, BFloat16, swizzled_tile_layout())
+        s_qd = carve(s_rec, wl.QD_OFFSET, BFloat16, swizzled_tile_layout())
+        s_gt = carve(s_rec, wl.GT_OFFSET, Float32, cute.make_layout(D))
+        s_inv = carve(s_rec, wl.INV_OFFSET, BFloat16, row_major(CHUNK, CHUNK))
+        s_mqk = carve(s_rec, wl.MQK_OFFSET, BFloat16, row_major(CHUNK, CHUNK))
         if cutlass.const_expr(kr_to_global):
             # kr never enters the shared record (record_decays stores it to global memory), so
             # ki takes its bytes: 4 KB less per CTA
-            s_ki = _carve(s_rec, wl.KR_OFFSET, BFloat16, _swizzled_tile_layout())
+            s_ki = carve(s_rec, wl.KR_OFFSET, BFloat16, swizzled_tile_layout())
         elif cutlass.const_expr(smem_base is None):
             s_ki = smem.allocate_tensor(
-                BFloat16, _swizzled_tile_layout(), byte_alignment=128
+                BFloat16, swizzled_tile_layout(), byte_alignment=128
             )
         if cutlass.const_expr(smem_base is None):
             # normalised q and k live until phase B; phase C reuses the bytes
             s_stage = smem.allocate_array(Uint8, 2 * CHUNK * D * 2, byte_alignment=128)
         else:
             if cutlass.const_expr(not kr_to_global):
-                s_ki = _carve(smem_base, RECORD_SMEM["ki"], BFloat16, _swizzled_tile_layout())
+                s_ki = carve(smem_base, RECORD_SMEM["ki"], BFloat16, swizzled_tile_layout())
             s_stage = smem_base + RECORD_SMEM["stage"]
-        s_qn = _carve(s_stage, 0, BFloat16, _row_major(CHUNK, D))
-        s_kn = _carve(s_stage, CHUNK * D * 2, BFloat16, _row_major(CHUNK, D))
+        s_qn = carve(s_stage, 0, BFloat16, row_major(CHUNK, D))
+        s_kn = carve(s_stage, CHUNK * D * 2, BFloat16, row_major(CHUNK, D))
         if cutlass.const_expr(smem_base is None):
             s_beta = smem.allocate_tensor(
                 Float32, cute.make_layout(CHUNK), byte_alignment=16
             )
         else:
-            s_beta = _carve(smem_base, RECORD_SMEM["beta"], Float32, cute.make_layout(CHUNK))
+            s_beta = carve(smem_base, RECORD_SMEM["beta"], Float32, cute.make_layout(CHUNK))
         if cutlass.const_expr(async_copy):
             # thread t: the granules of A's register layout (rows t // 16 and + 8, values
             # 8 (t % 16) ..) of q and k, into the staging tiles where A normalises them in place,
@@ -517,7 +469,7 @@ class KdaPrepare:
             kd2 = mul_bf16x2(kn2, e2)
             ki2 = mul_bf16x2(kn2, ei2)
             kr2 = mul_bf16x2(ki2, gt2)
-            tile_off = _swizzled_byte_offset(r, c0)
+            tile_off = swizzled_byte_offset(r, c0)
             st_shared_b32(rec_base + wl.QD_OFFSET + tile_off, qd2)
             st_shared_b32(rec_base + wl.KD_OFFSET + tile_off, kd2)
             st_shared_b32(ki_base + tile_off, ki2)
@@ -580,7 +532,7 @@ class KdaPrepare:
         self, s_qd: cute.Tensor, s_ki: cute.Tensor, s_mqk: cute.Tensor, lane: Int32
     ):
         """Mqk = bf16(qd . ki^T), lower triangle with diagonal."""
-        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        mma = WarpMma(tiled_mma_bf16(), lane)
         coords = mma.coords
         acc = mma.product(s_qd, s_ki)
         for i in cutlass.range_constexpr(cute.size(acc)):
@@ -592,20 +544,21 @@ class KdaPrepare:
 
     @cute.jit
     def _inverse_stable(self, scratch, s_kd, s_ki, s_beta, s_inv, lane: Int32):
-        """INV by two f32 8x8 forward substitutions and one bf16 block step (SPEC 6).
+        """INV by two f32 8x8 forward substitutions and one bf16 block step (docs/numerics.md
+        section 3, step 6, "stable").
 
         scratch: >= 3.5 KB of dead shared memory (bytes)."""
         tile = CHUNK * CHUNK * 2
         # L's rows padded to 17 words: the 16 lanes of a row-per-lane access (the substitution's
         # loads and stores, M's build) then hit 16 different banks (unpadded: 4-way conflicts)
-        s_l = _carve(scratch, 0, Float32, cute.make_layout((CHUNK, CHUNK), stride=(CHUNK + 1, 1)))
-        s_p = _carve(scratch, 3 * tile, BFloat16, _row_major(CHUNK, CHUNK))
+        s_l = carve(scratch, 0, Float32, cute.make_layout((CHUNK, CHUNK), stride=(CHUNK + 1, 1)))
+        s_p = carve(scratch, 3 * tile, BFloat16, row_major(CHUNK, CHUNK))
         # B operands are stored transposed (B(n, k) = X[k][n] row-major) so that
         # fragment loads stay plain 32-bit smem loads
-        s_p_t = _carve(scratch, 4 * tile, BFloat16, _row_major(CHUNK, CHUNK))
-        s_m_t = _carve(scratch, 5 * tile, BFloat16, _row_major(CHUNK, CHUNK))
-        s_n = _carve(scratch, 6 * tile, BFloat16, _row_major(CHUNK, CHUNK))
-        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        s_p_t = carve(scratch, 4 * tile, BFloat16, row_major(CHUNK, CHUNK))
+        s_m_t = carve(scratch, 5 * tile, BFloat16, row_major(CHUNK, CHUNK))
+        s_n = carve(scratch, 6 * tile, BFloat16, row_major(CHUNK, CHUNK))
+        mma = WarpMma(tiled_mma_bf16(), lane)
         coords = mma.coords
 
         # L = (kd . ki^T) strictly lower, rows scaled by b in f32
@@ -681,16 +634,17 @@ class KdaPrepare:
 
     @cute.jit
     def _inverse_neumann(self, scratch, s_kd, s_ki, s_beta, s_inv, lane: Int32):
-        """INV by FlashKDA v1's f16 Neumann series (SPEC 6, "neumann").
+        """INV by FlashKDA v1's f16 Neumann series (docs/numerics.md section 3, step 6,
+        "neumann").
 
         scratch: >= 4.5 KB of dead shared memory (bytes)."""
         tiles = [
-            _carve(scratch, i * CHUNK * CHUNK * 2, Float16, _row_major(CHUNK, CHUNK))
+            carve(scratch, i * CHUNK * CHUNK * 2, Float16, row_major(CHUNK, CHUNK))
             for i in range(9)
         ]
         # each power of L is kept twice: row-major (A operand) and transposed (B operand)
         s_l1, s_l1_t, s_l2, s_l2_t, s_l4, s_l4_t, s_l8_t, s_i0, s_i1 = tiles
-        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        mma = WarpMma(tiled_mma_bf16(), lane)
         coords = mma.coords
 
         # L = f16(kd . ki^T) strictly lower, rows times f16(b) in f16; INV = I - L
@@ -709,7 +663,7 @@ class KdaPrepare:
         cute.arch.sync_warp()
 
         # f16 MMA with f16 accumulation from zero: h_mma.product(s_a, s_b_t) = s_a . s_b
-        h_mma = _WarpMma(_tiled_mma_f16(), lane)
+        h_mma = WarpMma(_tiled_mma_f16(), lane)
         h_coords = h_mma.coords
 
         def square(s_src, s_src_t, s_dst, s_dst_t):
@@ -741,193 +695,12 @@ class KdaPrepare:
             s_inv[r, c] = f32_to_bf16(f16_to_f32(f16_add(s_i0[r, c], a[i])))
 
 
-class KdaPrepareOverlap(KdaPrepare):
-    """The prepare kernel of the overlapped prefill (docs/kernel_abi.md "Overlapped prefill"):
-    the same records from a grid of num_ctas CTAs that walk the (slot, head) pairs slot-major,
-    the head fastest (CTA b takes pairs b, b + num_ctas, ...), so the first chunks of every head
-    are written first; after each record its count goes to the ready counters mReady (int32
-    [contract.ready_words(H, S)], zero before the launch; word head * blocks + slot //
-    READY_BLOCK_SLOTS). Every CTA triggers its dependents at its start: a recurrence launched
-    behind it with programmatic stream serialization may start once all of these CTAs are
-    resident, which the caller makes possible by sizing num_ctas to leave room for it. No CTA
-    here waits for anything, so the recurrence's waits on the counters always end."""
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mReady: cute.Tensor,
-        scale: cutlass.Float32,
-        lower_bound: cutlass.Float32,
-        num_ctas: Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            mQ,
-            mK,
-            mG,
-            mBeta,
-            mALog,
-            mDtBias,
-            mCuSeqlens,
-            mWorkspace,
-            mReady,
-            scale,
-            lower_bound,
-        ).launch(
-            grid=(num_ctas, 1, 1),
-            block=(NUM_THREADS, 1, 1),
-            stream=stream,
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mReady: cute.Tensor,
-        scale: Float32,
-        lower_bound: Float32,
-    ):
-        cute.arch.griddepcontrol_launch_dependents()
-        num_slots = mWorkspace.shape[1]
-        num_heads = mWorkspace.shape[0]
-        blocks = contract.ready_blocks(num_slots)
-        ready = mReady.iterator.toint()
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        num_ctas, _, _ = cute.arch.grid_dim()
-        for pair in range(Int32(bid), num_slots * num_heads, Int32(num_ctas)):
-            slot = pair // num_heads
-            head = pair - slot * num_heads
-            self.write_record(
-                slot, head, mQ, mK, mG, mBeta, mALog, mDtBias, mCuSeqlens, mWorkspace, scale,
-                lower_bound,
-            )
-            # every store of the record precedes thread 0's count, and every shared-memory read
-            # of this record precedes the next record's writes
-            cute.arch.sync_threads()
-            if tid == 0:
-                word = head * blocks + slot // contract.READY_BLOCK_SLOTS
-                publish_count(ready + Int64(word) * 4)
-
-
-@cute.jit
-def _mma_16x16(tiled_mma, thr_mma, acc, s_a: cute.Tensor, s_b: cute.Tensor):
-    """acc += A.B^T for A (16, K), B (16, K) in shared memory, k-blocks ascending."""
-    t_a = thr_mma.partition_A(s_a)
-    t_b = thr_mma.partition_B(s_b)
-    r_a = tiled_mma.make_fragment_A(t_a)
-    r_b = tiled_mma.make_fragment_B(t_b)
-    cute.autovec_copy(t_a, r_a)
-    cute.autovec_copy(t_b, r_b)
-    for kb in cutlass.range_constexpr(cute.size(r_a, mode=[2])):
-        cute.gemm(tiled_mma, acc, r_a[None, None, kb], r_b[None, None, kb], acc)
-
-
-class _WarpMma:
-    """A one-warp 16x16 tiled MMA as seen by one lane (a trace-time helper): its slice of the
-    MMA and `coords`, the (row, col) of each of its accumulator elements."""
-
-    def __init__(self, tiled_mma, lane):
-        self.tiled_mma = tiled_mma
-        self.thr = tiled_mma.get_slice(lane)
-        self.coords = self.thr.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-
-    def product(self, s_a, s_b):
-        """A.B^T into a fresh zeroed accumulator, for A (16, K), B (16, K) in shared memory."""
-        acc = self.tiled_mma.make_fragment_C(self.coords.shape)
-        acc.fill(0.0)
-        _mma_16x16(self.tiled_mma, self.thr, acc, s_a, s_b)
-        return acc
-
-
 class ChunkRecord:
     """What one phase of the record build hands the next (a trace-time bag: rmem tensors,
     shared-memory tensors, scalars)."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
-
-
-class _PackedRows:
-    """Chunk rows of the prepare kernel: token row0 + r of the packed [T_total, H, ...] inputs."""
-
-    def __init__(self, row0, head, mBeta):
-        self.row0, self.head, self.mBeta = row0, head, mBeta
-
-    def token(self, r):
-        return self.row0 + r
-
-    def row(self, m_x, tok):
-        return m_x[tok, self.head, None]
-
-    def beta(self, tok):
-        return self.mBeta[tok, self.head]
-
-    # beta's element index and count (the kernel ABI's compact [T_total, H])
-    def beta_index(self, tok):
-        return tok * self.mBeta.shape[1] + self.head
-
-    def beta_count(self):
-        return self.mBeta.shape[0] * self.mBeta.shape[1]
-
-
-def _carve(base, byte_offset, dtype, layout):
-    """Tensor of `dtype` with `layout` at `byte_offset` of a shared-memory byte array."""
-    return cute.make_tensor(cute.recast_ptr(base + byte_offset, dtype=dtype), layout)
-
-
-@cute.jit
-def running_sum_of_half(cum: cute.Tensor, j: int, start: Float32) -> Float32:
-    """Phase B's half of column j's cumulative gate: cum[j, i] (the gates of the thread's 8 rows)
-    becomes start + cum[j, 0] + ... + cum[j, i], f32 additions in row order; returns the last
-    (G_7 for the first half from start 0, G_15 for the second from G_7)."""
-    total = start
-    for i in cutlass.range_constexpr(8):
-        total = fadd(total, cum[j, i])
-        cum[j, i] = total
-    return total
-
-
-@cute.jit
-def _copy_granules(
-    src: cute.Tensor, dst: cute.Tensor, first: Int32, stride: int, begin: int, end: int
-):
-    """Copy 16-byte granules begin..end-1 of a byte tensor, granule begin+first+i*stride per step."""
-    for it in cutlass.range_constexpr((end - begin + stride - 1) // stride):
-        v = begin + first + it * stride
-        if cutlass.const_expr(begin + (it + 1) * stride <= end):
-            cute.autovec_copy(
-                cute.local_tile(src, (16,), (v,)), cute.local_tile(dst, (16,), (v,))
-            )
-        else:
-            if v < end:
-                cute.autovec_copy(
-                    cute.local_tile(src, (16,), (v,)), cute.local_tile(dst, (16,), (v,))
-                )
-
-
-def _tiled_mma_bf16():
-    """One warp, 16x16 output from two m16n8k16 bf16 atoms, f32 accumulate."""
-    return cute.make_tiled_mma(
-        warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)),
-        (1, 1, 1),
-        permutation_mnk=(16, 16, 16),
-    )
 
 
 def _tiled_mma_f16():
@@ -940,39 +713,7 @@ def _tiled_mma_f16():
 
 
 # ------------------------------------------------------------------ build side
-def prepare_args():
-    """Fake arguments of KdaPrepare.__call__ (docs/kernel_abi.md; T_total, H, N, S dynamic):
-    tensors, the two scalars as Float32 placeholders, a fake stream."""
-    t_total, heads, n_plus_1, slots = (symbol(s) for s in ("T_total", "H", "N_plus_1", "S"))
-    return (
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # q
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # k
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # g
-        fake_tensor(BFloat16, (t_total, heads), 2),  # beta
-        fake_tensor(Float32, (heads,), 4),  # A_log
-        fake_tensor(Float32, (heads, D), 16),  # dt_bias
-        fake_tensor(Int32, (n_plus_1,), 4),  # cu_seqlens
-        fake_tensor(Uint8, (heads, slots, wl.RECORD_BYTES), 16),  # workspace
-        Float32(1.0),  # scale
-        Float32(-5.0),  # lower_bound
-        fake_stream(),
-    )
-
-
-def prepare_overlap_args():
-    """Fake arguments of KdaPrepareOverlap.__call__: prepare_args() with the ready counters
-    (int32 [R], R dynamic) after the workspace and num_ctas after the two scalars."""
-    args = prepare_args()
-    ready = fake_tensor(Int32, (symbol("R"),), 4)
-    return args[:8] + (ready,) + args[8:10] + (Int32(0),) + args[10:]
-
-
-def compile_kernel(inverse: str = "stable", arch: str = "sm_90a", *, overlap: bool = False,
-                   dump_dir: str | None = None):
+def compile_kernel(inverse: str = "stable", arch: str = "sm_90a", *, dump_dir: str | None = None):
     """The prepare kernel with the given inverse, compiled for `arch`
-    (compile_utils.compile_for_arch); with overlap, the overlapped prefill's
-    (KdaPrepareOverlap)."""
-    if overlap:
-        return compile_for_arch(KdaPrepareOverlap(inverse), prepare_overlap_args(), arch,
-                                dump_dir=dump_dir)
+    (compile_utils.compile_for_arch)."""
     return compile_for_arch(KdaPrepare(inverse), prepare_args(), arch, dump_dir=dump_dir)

@@ -60,17 +60,20 @@ from cutlass.memory import SmemAllocator
 
 from .. import contract
 from . import workspace_layout as wl
-from .compile_utils import compile_for_arch, fake_stream, fake_tensor, symbol
-from .prepare import (
-    _carve,
-    _copy_granules,
-    _PackedRows,
-    _row_major,
-    _swizzled_byte_offset,
-    _swizzled_tile_layout,
-    _tiled_mma_bf16,
-    _WarpMma,
+from .compile_utils import compile_for_arch
+from .prepare_common import (
+    PackedRows,
+    WarpMma,
+    carve,
+    chunk_rows,
+    copy_granules,
+    locate_chunk,
+    prepare_args,
+    row_major,
     running_sum_of_half,
+    swizzled_byte_offset,
+    swizzled_tile_layout,
+    tiled_mma_bf16,
 )
 from .ptx import (
     LOG2E,
@@ -95,7 +98,6 @@ from .ptx import (
     st_global_v4,
     st_shared_b32,
 )
-from .recurrence_common import sequence_start
 
 D = wl.D
 CHUNK = wl.CHUNK
@@ -206,9 +208,10 @@ class KdaPrepareFp32:
         slot, head, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tid % 32
-        active, row0, n_valid = _locate_chunk(mCuSeqlens, Int32(slot), mQ.shape[0])
+        active, bos, eos, chunk = locate_chunk(mCuSeqlens, Int32(slot), mQ.shape[0])
+        row0, n_valid = chunk_rows(bos, eos, chunk)
         if active:
-            rows = _PackedRows(row0, head, mBeta)
+            rows = PackedRows(row0, head, mBeta)
 
             # ---- A0. every global load first
             raw = self._load_rows(rows, mQ, mK, mG, n_valid, tid)
@@ -270,9 +273,9 @@ class KdaPrepareFp32:
         s_ops = smem.allocate_array(Uint8, len(OPERANDS) * TILE_BYTES, byte_alignment=128)
         sm = _Smem(ops=s_ops)
         for i, name in enumerate(OPERANDS):
-            setattr(sm, name, _carve(s_ops, i * TILE_BYTES, BFloat16, _swizzled_tile_layout()))
+            setattr(sm, name, carve(s_ops, i * TILE_BYTES, BFloat16, swizzled_tile_layout()))
         sm.raw = [
-            _carve(s_ops, i * TILE_BYTES, BFloat16, _row_major(CHUNK, D))
+            carve(s_ops, i * TILE_BYTES, BFloat16, row_major(CHUNK, D))
             for i in range(len(RAW_ROWS))
         ]
         # rows padded to 17 floats: lane i reading row i hits bank (17 i + p) % 32, no conflict
@@ -283,8 +286,8 @@ class KdaPrepareFp32:
         # Mqk hi/lo staged row-major, laid out as in the record (mqk_lo right after mqk_hi)
         sm.mqk_stage = s_ops + SMEM_PLAN["mqk_stage"][0]
         sm.mqk_stage_bytes = cute.make_tensor(sm.mqk_stage, cute.make_layout(2 * MQK_TILE_BYTES))
-        sm.mqk_hi = _carve(sm.mqk_stage, 0, BFloat16, _row_major(CHUNK, CHUNK))
-        sm.mqk_lo = _carve(sm.mqk_stage, MQK_TILE_BYTES, BFloat16, _row_major(CHUNK, CHUNK))
+        sm.mqk_hi = carve(sm.mqk_stage, 0, BFloat16, row_major(CHUNK, CHUNK))
+        sm.mqk_lo = carve(sm.mqk_stage, MQK_TILE_BYTES, BFloat16, row_major(CHUNK, CHUNK))
         # 1 / |x| of each row: [0, r] for q, [1, r] for k
         sm.rnorm = smem.allocate_tensor(
             Float32, cute.make_layout((2, CHUNK), stride=(CHUNK, 1)), byte_alignment=16
@@ -386,7 +389,7 @@ class KdaPrepareFp32:
                                     fmul(fmul(qn[1], rel[1]), scale))
             kil = split_hi_lo_bf16x2(fmul(kn[0], fmul(ei[0], down[0])),
                                      fmul(kn[1], fmul(ei[1], down[1])))
-            off = _swizzled_byte_offset(r, c0)
+            off = swizzled_byte_offset(r, c0)
             for name, word in (("kd_hi", kd_hi), ("qd_hi", qd[0]), ("qd_lo", qd[1]),
                                ("kr_hi", kr[0]), ("kr_lo", kr[1])):
                 st_global_b32(rec + (RECORD[name] + off), word)
@@ -398,7 +401,7 @@ class KdaPrepareFp32:
     def _mqk(self, sm, gm, lane: Int32):
         """C, warp 1: Mqk = causal(qL . kiL^T) (diagonal kept), split, staged on the dead ql_hi
         tile and stored (2 granules per lane, mqk_hi then mqk_lo)."""
-        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        mma = WarpMma(tiled_mma_bf16(), lane)
         coords = mma.coords
         acc = _three_term_product(mma, sm.ql_hi, sm.ql_lo, sm.kil_hi, sm.kil_lo)
         # every lane's reads of ql_hi are done before any lane overwrites it
@@ -410,14 +413,14 @@ class KdaPrepareFp32:
                 v = Float32(0.0)
             _store_split(sm.mqk_hi, sm.mqk_lo, r, c, v)
         cute.arch.sync_warp()
-        _copy_granules(sm.mqk_stage_bytes, gm.mqk_bytes, lane, 32, 0, MQK_GRANULES)
+        copy_granules(sm.mqk_stage_bytes, gm.mqk_bytes, lane, 32, 0, MQK_GRANULES)
 
     @cute.jit
     def _inverse(self, sm, g_rec: cute.Tensor, lane: Int32):
         """C, warp 0: L = strict(kL . kiL^T) * b_r (step 5, staged on the dead kl_hi tile),
         INV = (I + L)^-1 (step 6), split and stored from registers: lane i < 16 writes row i of
         inv_hi, lane i + 16 row i of inv_lo (32 bytes each, two 16-byte stores)."""
-        mma = _WarpMma(_tiled_mma_bf16(), lane)
+        mma = WarpMma(tiled_mma_bf16(), lane)
         coords = mma.coords
         acc = _three_term_product(mma, sm.kl_hi, sm.kl_lo, sm.kil_hi, sm.kil_lo)
         # every lane's reads of kl_hi are done before any lane overwrites it
@@ -471,38 +474,12 @@ class KdaPrepareFp32:
 
 
 # ------------------------------------------------------------------ helpers
-@cute.jit
-def _locate_chunk(mCuSeqlens: cute.Tensor, slot: Int32, t_total: Int32):
-    """(active, row0, n_valid) of a workspace slot, as prepare.py finds them: the sequence by a
-    binary search on the slot starts cu[n] // 16 + n, then the chunk within it; `active` is False
-    for a slot that holds no chunk; row0 is the chunk's first token, n_valid (1..16 when active)
-    its rows inside the sequence."""
-    num_seqs = mCuSeqlens.shape[0] - 1
-    lo = Int32(0)
-    hi = Int32(num_seqs)
-    while lo + 1 < hi:
-        mid = (lo + hi) // 2
-        if sequence_start(mCuSeqlens, mid, t_total) // CHUNK + mid <= slot:
-            lo = mid
-        else:
-            hi = mid
-    seq = lo
-    bos = sequence_start(mCuSeqlens, seq, t_total)
-    # min(): with N = 0 (cu_seqlens of length 1) never read past the array
-    eos = cutlass.max(sequence_start(mCuSeqlens, cutlass.min(seq + 1, num_seqs), t_total), bos)
-    chunk = slot - (bos // CHUNK + seq)
-    num_chunks = (eos - bos + CHUNK - 1) // CHUNK
-    active = (num_seqs > 0) & (chunk >= 0) & (chunk < num_chunks)
-    row0 = bos + chunk * CHUNK
-    return active, row0, cutlass.min(eos - row0, CHUNK)
-
-
 def _global_record(g_rec: cute.Tensor):
     """gt and the Mqk bytes of the CTA's 23,040-byte record `g_rec` as global-memory tensors (phase
     B stores the swizzled tiles by address)."""
     base = g_rec.iterator
     gm = _Smem()
-    gm.gt = _carve(base, RECORD["gt"], Float32, cute.make_layout(D))
+    gm.gt = carve(base, RECORD["gt"], Float32, cute.make_layout(D))
     gm.mqk_bytes = cute.make_tensor(base + RECORD["mqk_hi"], cute.make_layout(2 * MQK_TILE_BYTES))
     return gm
 
@@ -552,25 +529,6 @@ def _three_term_product(mma, s_a_hi, s_a_lo, s_b_hi, s_b_lo):
 
 
 # ------------------------------------------------------------------ build side
-def prepare_fp32_args():
-    """Fake arguments of KdaPrepareFp32.__call__: those of prepare.prepare_args (T_total, H, N,
-    S dynamic, in the same order) with 23,040-byte records."""
-    t_total, heads, n_plus_1, slots = (symbol(s) for s in ("T_total", "H", "N_plus_1", "S"))
-    return (
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # q
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # k
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # g
-        fake_tensor(BFloat16, (t_total, heads), 2),  # beta
-        fake_tensor(Float32, (heads,), 4),  # A_log
-        fake_tensor(Float32, (heads, D), 16),  # dt_bias
-        fake_tensor(Int32, (n_plus_1,), 4),  # cu_seqlens
-        fake_tensor(Uint8, (heads, slots, RECORD_BYTES), 16),  # workspace
-        Float32(1.0),  # scale
-        Float32(-5.0),  # lower_bound
-        fake_stream(),
-    )
-
-
 def compile_kernel(arch: str = "sm_90a", *, dump_dir: str | None = None):
     """The fp32-mode prepare kernel compiled for `arch` (compile_utils.compile_for_arch)."""
-    return compile_for_arch(KdaPrepareFp32(), prepare_fp32_args(), arch, dump_dir=dump_dir)
+    return compile_for_arch(KdaPrepareFp32(), prepare_args(RECORD_BYTES), arch, dump_dir=dump_dir)

@@ -1,10 +1,11 @@
-"""KDA recurrence (SPEC.md "Kernel 2"), column split, state resident in registers.
+"""KDA recurrence (docs/numerics.md, section 5 "Recurrence"), column split, state resident in
+registers.
 
 Task = (value-column slice, head, sequence), grid (128 / block_v, H, N); no communication
 between CTAs. Every warp owns CW = 8 * NT consecutive value columns and keeps its state slice
 S^T[128 (k), CW (v)] in registers for the whole sequence, bf16, in the m16n8k16 accumulator layout
-(mma_utils.py writes the fragment layouts out): for k-tile mt (16 k) and n-tile nt (8 columns),
-register state[mt, nt, 0] holds S^T[16mt + g][8nt + 2t, 2t+1] and state[mt, nt, 1] holds
+(ptx.py's module docstring writes the fragment layouts out): for k-tile mt (16 k) and n-tile nt
+(8 columns), register state[mt, nt, 0] holds S^T[16mt + g][8nt + 2t, 2t+1] and state[mt, nt, 1] holds
 S^T[16mt + 8 + g][...]. movmatrix.trans of these two registers is exactly the B operand of k-block
 mt of the next chunk's kd . S^T / qd . S^T, so the state never goes through shared memory.
 
@@ -27,10 +28,10 @@ Shared memory: a ring of STAGES stages, each holding the chunk's 13,824-byte wor
 values. All threads fill it with cp.async, LOOKAHEAD chunks ahead; one CTA barrier per chunk makes
 a stage visible and frees the stage being refilled. Outputs go from registers to global memory.
 
-The kernel body is assembled from plain trace-time pieces (_cta_setup, _prologue_loads,
-_prologue, _chunk_step, u_to_b_operand, out_add, state_tile_update, ...) that the kernels call in
-a fixed order, so a variant that reuses them emits the same instructions for them; the fused
-decode kernel (decode.py) reuses the chunk-step arithmetic.
+The kernel body is assembled from plain trace-time pieces (recurrence_common.cta_setup,
+_prologue_loads, _prologue, _chunk_step, u_to_b_operand, out_add, state_tile_update, ...) that
+the kernels call in a fixed order, so a variant that reuses them emits the same instructions for
+them; the fused decode kernel (decode.py) reuses the chunk-step arithmetic.
 
 Serving variant (KdaRecurrence(block_v, state_dtype, serving=True), class KdaRecurrencePool):
 states in a pool, bf16 or f32, updated in place, and checkpoints. Host __call__(mV, mBeta,
@@ -83,7 +84,7 @@ from cutlass.memory import SmemAllocator
 
 from .. import contract
 from . import ptx
-from .compile_utils import compile_for_arch, fake_tensor, symbol
+from .compile_utils import compile_for_arch
 from .recurrence_common import (
     CHUNK,
     OFF_GT,
@@ -98,13 +99,14 @@ from .recurrence_common import (
     D,
     acc_col,
     acc_row,
+    beta_bits,
     checkpoint_segments,
+    cta_setup,
     ldmatrix_a_offset,
     ldmatrix_krt_offset,
     ldmatrix_small_offset,
     recurrence_args,
     recurrence_pool_args,
-    sequence_bounds,
     state_copy_unit,
     state_frag_count,
     state_frag_offset,
@@ -217,23 +219,7 @@ class KdaRecurrence:
         mOut: cute.Tensor,
         mStateT: cute.Tensor,
     ):
-        self.run_prefill(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT, False)
-
-    @cute.jit
-    def run_prefill(
-        self,
-        mV: cute.Tensor,
-        mBeta: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mState0: cute.Tensor,
-        mOut: cute.Tensor,
-        mStateT: cute.Tensor,
-        poll_warp: Constexpr,
-    ):
-        """The compute warps' whole task; with poll_warp (KdaRecurrenceOverlap) one CTA barrier
-        more, before the first record copy, that the poll warp takes part in."""
-        cta = _cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
+        cta = cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
         state_off = (Int64(cta.seq) * Int64(cta.num_heads) + Int64(cta.head)) * (D * D)
         s0_base = mState0.iterator.toint() + state_off * 2
         sT_base = mStateT.iterator.toint() + state_off * 2
@@ -246,10 +232,6 @@ class KdaRecurrence:
         state = _state_registers(self)
         _load_state_u16(cta, state, s0_base)
         regs = _loop_registers(self)
-        if cutlass.const_expr(poll_warp):
-            # the poll warp meets these barriers at its own instructions: the unaligned form
-            cta.barrier = ptx.cta_barrier_unaligned
-            cta.barrier()  # the poll warp has seen the first records counted
         if cta.num_chunks > 0:
             _prologue_loads(cta, ring)
             _prologue(cta, ring, state, regs)
@@ -260,199 +242,11 @@ class KdaRecurrence:
         _store_state_u16(cta, state, sT_base)
 
 
-class KdaRecurrenceOverlap(KdaRecurrence):
-    """The column-split recurrence of the overlapped prefill (docs/kernel_abi.md "Overlapped
-    prefill"): launched with use_pdl behind the prepare kernel (KdaPrepareOverlap), it may run
-    while prepare still writes the workspace, so each record is read only once prepare's ready
-    counters (mReady) say it is complete. Launched without use_pdl (or whenever the two do not
-    run side by side) every count is complete when it starts.
-
-    One more warp per CTA, the poll warp, does the waiting: before each of the compute warps' CTA
-    barriers it makes sure (acquire loads of the counters) that every record the compute warps
-    copy after that barrier is counted, READY_AHEAD chunks beyond the next one they copy, and then
-    takes part in the barrier. The compute warps run the prefill kernel's pieces unchanged plus
-    one CTA barrier before their first record copy, so out and the final state are bitwise the
-    prefill kernel's. At the end every thread waits for the prepare grid to be complete
-    (griddepcontrol.wait; it is, but its last stores may still be in flight), so that this grid
-    ends after it."""
-
-    def __init__(self, block_v: int = 32):
-        super().__init__(block_v)
-        self.launch_threads = self.num_threads + 32  # the compute warps and the poll warp
-
-    @cute.jit
-    def __call__(
-        self,
-        mV: cute.Tensor,  # bf16 [T_total, H, 128]
-        mBeta: cute.Tensor,  # bf16 [T_total, H]
-        mWorkspace: cute.Tensor,  # uint8 [H, S, 13824]
-        mCuSeqlens: cute.Tensor,  # int32 [N + 1]
-        mState0: cute.Tensor,  # bf16 [N, H, 128, 128] (n, h, v, k)
-        mOut: cute.Tensor,  # bf16 [T_total, H, 128]
-        mStateT: cute.Tensor,  # bf16 [N, H, 128, 128]
-        mReady: cute.Tensor,  # int32 [contract.ready_words(H, S)]
-        use_pdl: Int32,  # 1: programmatic stream serialization behind prepare
-        stream: cuda.CUstream,
-    ):
-        num_heads = mV.shape[1]
-        num_seqs = mCuSeqlens.shape[0] - 1
-        self.kernel(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT, mReady).launch(
-            grid=[D // self.block_v, num_heads, num_seqs],
-            block=[self.launch_threads, 1, 1],
-            stream=stream,
-            use_pdl=use_pdl,
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        mV: cute.Tensor,
-        mBeta: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mCuSeqlens: cute.Tensor,
-        mState0: cute.Tensor,
-        mOut: cute.Tensor,
-        mStateT: cute.Tensor,
-        mReady: cute.Tensor,
-    ):
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == self.num_warps:
-            _, _, seq = cute.arch.block_idx()
-            bos, eos = sequence_bounds(mCuSeqlens, seq, mV.shape[0])
-            _, head, _ = cute.arch.block_idx()
-            _poll_warp(mReady.iterator.toint(), head, mWorkspace.shape[1], bos // CHUNK + seq,
-                       (eos - bos + (CHUNK - 1)) // CHUNK)
-        else:
-            self.run_prefill(mV, mBeta, mWorkspace, mCuSeqlens, mState0, mOut, mStateT, True)
-        cute.arch.griddepcontrol_wait()
-
-
-# The poll warp waits this many chunks beyond the record the compute warps copy next, so that its
-# acquire load of a counter is done long before that copy is issued.
-READY_AHEAD = contract.READY_BLOCK_SLOTS
-
-
-def _wait_block(head_counters, block, num_slots):
-    """Wait until ready-counter `block` of this head has counted every slot of its block."""
-    size = cutlass.min(Int32(contract.READY_BLOCK_SLOTS),
-                       num_slots - block * contract.READY_BLOCK_SLOTS)
-    ptx.wait_count_at_least(head_counters + Int64(block) * 4, size)
-
-
-@cute.jit
-def _poll_warp(ready: Int64, head: Int32, num_slots: Int32, slot0: Int32, num_chunks: Int32):
-    """The poll warp of KdaRecurrenceOverlap: the compute warps' barrier sequence (one before the
-    first record copy, the prologue's, one per chunk), each barrier preceded by the wait for the
-    records that may be copied after it (slot0 + chunk, clamped to the last chunk as the stage
-    loads are)."""
-    blocks = contract.ready_blocks(num_slots)
-    head_counters = ready + Int64(head * blocks) * 4
-    last = num_chunks - 1
-    ready_until = slot0  # every slot below this one is known to be complete
-    target = slot0 + cutlass.min(Int32(LOOKAHEAD - 1 + READY_AHEAD), last)
-    while ready_until <= target:
-        block = ready_until // contract.READY_BLOCK_SLOTS
-        _wait_block(head_counters, block, num_slots)
-        ready_until = (block + 1) * contract.READY_BLOCK_SLOTS
-    ptx.cta_barrier_unaligned()
-    if num_chunks > 0:
-        ptx.cta_barrier_unaligned()  # the prologue's
-        for c in range(num_chunks):
-            target = slot0 + cutlass.min(c + (LOOKAHEAD + READY_AHEAD), last)
-            while ready_until <= target:
-                block = ready_until // contract.READY_BLOCK_SLOTS
-                _wait_block(head_counters, block, num_slots)
-                ready_until = (block + 1) * contract.READY_BLOCK_SLOTS
-            ptx.cta_barrier_unaligned()  # chunk c's
-
-
 # ----------------------------------------------------------------------------------------------
 # The pieces of the kernel body, plain trace-time Python (no dynamic control flow inside: the
 # kernels keep the `if num_chunks > 0` and the chunk loop), so that every variant emits the same
 # instructions in the same order for the same piece.
 # ----------------------------------------------------------------------------------------------
-class _Cta:
-    """Per-CTA trace-time values of a column-split recurrence CTA (a plain bag)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-def _cta_setup(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut):
-    """Thread / block indices, the sequence's bounds and chunk count, the stage loader's sources
-    and this lane's out addresses."""
-    NT = rec.n_tiles
-    BV = rec.block_v
-    tid, _, _ = cute.arch.thread_idx()
-    slice_idx, head, seq = cute.arch.block_idx()
-    warp = tid // 32
-    lane = tid % 32
-    t2 = acc_col(lane)
-
-    t_total = mV.shape[0]
-    num_heads = mV.shape[1]
-    num_slots = mWorkspace.shape[1]
-
-    bos, eos = sequence_bounds(mCuSeqlens, seq, t_total)
-    num_chunks = (eos - bos + (CHUNK - 1)) // CHUNK
-    last_chunk = num_chunks - 1
-    slot0 = bos // CHUNK + seq
-
-    col_cta = slice_idx * BV  # first value column of this CTA
-    col_w = warp * (8 * NT)  # first column of this warp, relative to col_cta
-
-    # Raw addresses (compact row-major tensors, docs/kernel_abi.md).
-    src = _Sources(
-        ws_head=mWorkspace.iterator.toint()
-        + Int64(head) * Int64(num_slots) * RECORD_BYTES,
-        slot0=slot0,
-        v_col0=mV.iterator.toint() + Int64(col_cta) * 2,
-        beta_base=mBeta.iterator.toint(),
-        num_heads=num_heads,
-        head=head,
-        bos=bos,
-        eos=eos,
-        beta_elems=t_total * num_heads,
-        tid=tid,
-        nthreads=rec.num_threads,
-        block_v=BV,
-        v_off=rec.v_off,
-        beta_off=rec.beta_off,
-    )
-    # out[tok, head, col] lives at out_lane[nt] + tok * out_row_bytes (this lane's column
-    # of n-tile nt)
-    out_row_bytes = Int64(num_heads) * (D * 2)
-    out_lane = [
-        mOut.iterator.toint()
-        + (Int64(head) * D + Int64(col_cta + col_w + nt * 8 + t2)) * 2
-        for nt in range(NT)
-    ]
-    return _Cta(
-        n_tiles=NT,
-        block_v=BV,
-        stage_bytes=rec.stage_bytes,
-        nthreads=rec.num_threads,
-        tid=tid,
-        lane=lane,
-        t2=t2,
-        head=head,
-        seq=seq,
-        num_heads=num_heads,
-        bos=bos,
-        eos=eos,
-        num_chunks=num_chunks,
-        last_chunk=last_chunk,
-        col_cta=col_cta,
-        col_w=col_w,
-        src=src,
-        out_row_bytes=out_row_bytes,
-        out_lane=out_lane,
-        # the barrier of the prologue and of every chunk step (run_prefill swaps it where a poll
-        # warp meets it from other instructions)
-        barrier=ptx.cta_barrier,
-    )
-
-
 def _state_registers(rec):
     """The state slice S^T[128, 8 * NT] of this warp, bf16 pairs in the accumulator layout."""
     return cute.make_rmem_tensor(cute.make_layout(8 * rec.n_tiles * 2), Int32)
@@ -527,7 +321,7 @@ def _prologue(cta, ring, state, regs):
     lane = cta.lane
     zero_f = regs.zero_f
     ptx.cp_async_wait(LOOKAHEAD - 1)  # chunk 0 has landed (this thread's copies)
-    cta.barrier()  # ... and everybody's
+    ptx.cta_barrier()  # ... and everybody's
     p0 = [[zero_f] * 4 for _ in range(NT)]
     o0 = [[zero_f] * 4 for _ in range(NT)]
     for kb in range(8):
@@ -612,7 +406,7 @@ def _chunk_step(cta, ring, state, regs, c):
     src = cta.src
     # Chunk c+1 visible to all; the stage of chunk c-1 is free (refilled further down).
     ptx.cp_async_wait(LOOKAHEAD - 2)
-    cta.barrier()
+    ptx.cta_barrier()
     nxt = ring + ((c + 1) % STAGES) * STAGE_BYTES
     row_tok0 = cta.bos + c * CHUNK
 
@@ -762,7 +556,7 @@ class KdaRecurrencePool(KdaRecurrence):
         checkpoint_chunks: Int32,
     ):
         ESZ: Constexpr = self.state_elem_bytes
-        cta = _cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
+        cta = cta_setup(self, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
         row = mStateIndices[cta.seq]
         smem = SmemAllocator().allocate(self.smem_bytes + 16, byte_alignment=128).toint()
         valid = (row >= 0) & (row < mPool.shape[0])
@@ -962,13 +756,6 @@ def checkpoint_offset(mt, nt, half):
     return 8 * nt * D + 16 * mt + 8 * half
 
 
-class _Sources:
-    """Per-CTA constants of the stage loader (a plain bag of trace-time values)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
 def _load_stage(src, chunk, stage):
     """All threads: cp.async of one chunk's record, v rows (this CTA's columns) and beta values
     into the ring stage at shared address `stage`. Nothing past the sequence end is read."""
@@ -1032,7 +819,7 @@ def _chunk_operands(src, stage, row_tok0, lane, col_w, n_tiles):
                 )
             )
     for half in range(2):
-        bits = _beta_bits(src, stage, row_tok0, acc_row(lane, half))
+        bits = beta_bits(src, stage, row_tok0, acc_row(lane, half))
         ints.append(ptx.sigmoid_bf16x2_from_logit(bits))
     small_off = ldmatrix_small_offset(lane)
     ints += ptx.ldmatrix_x4(stage + OFF_INV + small_off)
@@ -1069,36 +856,17 @@ def _next_chunk_operands(nxt, lane, kb):
     return ptx.ldmatrix_x4(nxt + OFF_KD + a_off), ptx.ldmatrix_x4(nxt + OFF_QD + a_off)
 
 
-def _beta_bits(src, stage, row_tok0, r):
-    """The raw bf16 beta logit of chunk row r from the stage (low 16 bits of an Int32)."""
-    elem = (row_tok0 + r) * src.num_heads + src.head
-    byte = Int32(src.beta_base + Int64(elem) * 2) & 2
-    return ptx.ld_shared_u16(stage + src.beta_off + r * 4 + byte)
-
-
 def compile_kernel(
     block_v: int = 32,
     arch: str = "sm_90a",
     *,
     state_dtype: str = "bf16",
     serving: bool = False,
-    overlap: bool = False,
     dump_dir: str | None = None,
 ):
     """The column-split recurrence with `block_v` value columns per CTA, compiled for `arch`
     (compile_utils.compile_for_arch): the prefill kernel, with serving=True the serving
-    variant with `state_dtype` ("bf16" | "f32") state pools, with overlap the overlapped
-    prefill's (KdaRecurrenceOverlap)."""
-    if overlap:
-        return compile_for_arch(KdaRecurrenceOverlap(block_v), recurrence_overlap_args(), arch,
-                                dump_dir=dump_dir)
+    variant with `state_dtype` ("bf16" | "f32") state pools."""
     kernel = KdaRecurrence(block_v, state_dtype, serving)
     args = recurrence_pool_args(state_dtype) if serving else recurrence_args()
     return compile_for_arch(kernel, args, arch, dump_dir=dump_dir)
-
-
-def recurrence_overlap_args():
-    """Fake arguments of KdaRecurrenceOverlap.__call__: recurrence_args() with the ready counters
-    (int32 [R], R dynamic) and use_pdl before the stream."""
-    args = recurrence_args()
-    return args[:-1] + (fake_tensor(Int32, (symbol("R"),), 4), Int32(0)) + args[-1:]

@@ -1,4 +1,5 @@
-"""KDA recurrence (SPEC.md "Kernel 2"), baseline: FlashKDA v1's structure, state in SHARED memory.
+"""KDA recurrence (docs/numerics.md, section 5 "Recurrence"), baseline: FlashKDA v1's structure,
+state in SHARED memory.
 
 This is the reference point the column-split kernel (recurrence.py) is measured and bit-compared
 against. Out and final state are meant to be bitwise identical to recurrence.py for every
@@ -26,14 +27,15 @@ Shared memory (bytes; everything 128-byte aligned where it starts):
 The 272-byte pitch (256 + 16) keeps every row 16-byte aligned for the bulk copies and makes the
 accumulator-layout accesses (8 rows x 4 words per instruction) hit 32 distinct banks.
 
-State fragments (mma_utils.py has the m16n8k16 layouts). With S stored v-major, the 8x8 block
-S[v0..v0+7][k0..k0+7] read by `ldmatrix` (no .trans) is the 8x8 fragment of (B[k0.., v0..])^T,
-i.e. exactly b[0] / b[1] of the B operand S^T of kd . S^T; read by `ldmatrix.trans` it is the
-packed accumulator pair (S^T[k0+g][v0+2t], S^T[k0+g][v0+2t+1]) = recurrence.py's register
-state[mt, nt, half]. One address map (state_ldsm_offset: matrix m = lane // 8 -> n-tile
-nt0 + m // 2, k half m % 2) serves ldmatrix (B operands of k-block kb for n-tiles nt0, nt0+1),
-ldmatrix.trans (old state, accumulator layout, k-tile kb) and stmatrix.trans (new state). The
-swizzle makes each 8-lane phase (8 consecutive v rows, one logical granule) conflict-free.
+State fragments (ptx.py's module docstring has the m16n8k16 layouts). With S stored v-major,
+the 8x8 block S[v0..v0+7][k0..k0+7] read by `ldmatrix` (no .trans) is the 8x8 fragment of
+(B[k0.., v0..])^T, i.e. exactly b[0] / b[1] of the B operand S^T of kd . S^T; read by
+`ldmatrix.trans` it is the packed accumulator pair (S^T[k0+g][v0+2t], S^T[k0+g][v0+2t+1]) =
+recurrence.py's register state[mt, nt, half]. One address map (state_ldsm_offset: matrix
+m = lane // 8 -> n-tile nt0 + m // 2, k half m % 2) serves ldmatrix (B operands of k-block kb
+for n-tiles nt0, nt0+1), ldmatrix.trans (old state, accumulator layout, k-tile kb) and
+stmatrix.trans (new state). The swizzle makes each 8-lane phase (8 consecutive v rows, one
+logical granule) conflict-free.
 
 Numerics (per chunk, per value column; identical instructions to recurrence.py):
   P = kd . S^T, Oq = qd . S^T: mma m16n8k16, k-blocks 0..7 ascending, from f32 zero;

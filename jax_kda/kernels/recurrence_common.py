@@ -1,6 +1,7 @@
 """What the recurrence kernels share: the chunk's sequence bounds, the lane index maps of the
-mma.sync fragments, the workspace offsets, the swizzled shared-memory state tile (state pools:
-serving recurrence and fused decode) and the fake arguments they are compiled with.
+mma.sync fragments, the workspace offsets, a column-split CTA's setup (cta_setup: indices,
+sequence bounds, the stage loader's sources; beta_bits), the swizzled shared-memory state tile
+(state pools: serving recurrence and fused decode) and the fake arguments they are compiled with.
 
 The index maps are plain integer arithmetic: the kernels evaluate them on DSL Int32 values and the
 CPU fragment simulator in tests/kernel_sim.py on numpy ints, so both run the same formulas
@@ -92,6 +93,101 @@ def acc_row(lane, half):
 def acc_col(lane):
     """Column (0..7) of c[0] / c[2]; c[1] / c[3] are the next column."""
     return 2 * (lane % 4)
+
+
+# ---- a column-split CTA's setup (both numerics modes' recurrences) -----------------------------
+# Plain trace-time Python, so that both kernels emit the same instructions for it.
+class Cta:
+    """Per-CTA trace-time values of a column-split recurrence CTA (a plain bag)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def cta_setup(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut):
+    """Thread / block indices, the sequence's bounds and chunk count, the stage loader's sources
+    and this lane's out addresses."""
+    NT = rec.n_tiles
+    BV = rec.block_v
+    tid, _, _ = cute.arch.thread_idx()
+    slice_idx, head, seq = cute.arch.block_idx()
+    warp = tid // 32
+    lane = tid % 32
+    t2 = acc_col(lane)
+
+    t_total = mV.shape[0]
+    num_heads = mV.shape[1]
+    num_slots = mWorkspace.shape[1]
+
+    bos, eos = sequence_bounds(mCuSeqlens, seq, t_total)
+    num_chunks = (eos - bos + (CHUNK - 1)) // CHUNK
+    last_chunk = num_chunks - 1
+    slot0 = bos // CHUNK + seq
+
+    col_cta = slice_idx * BV  # first value column of this CTA
+    col_w = warp * (8 * NT)  # first column of this warp, relative to col_cta
+
+    # Raw addresses (compact row-major tensors, docs/kernel_abi.md).
+    src = StageSources(
+        ws_head=mWorkspace.iterator.toint()
+        + Int64(head) * Int64(num_slots) * RECORD_BYTES,
+        slot0=slot0,
+        v_col0=mV.iterator.toint() + Int64(col_cta) * 2,
+        beta_base=mBeta.iterator.toint(),
+        num_heads=num_heads,
+        head=head,
+        bos=bos,
+        eos=eos,
+        beta_elems=t_total * num_heads,
+        tid=tid,
+        nthreads=rec.num_threads,
+        block_v=BV,
+        v_off=rec.v_off,
+        beta_off=rec.beta_off,
+    )
+    # out[tok, head, col] lives at out_lane[nt] + tok * out_row_bytes (this lane's column
+    # of n-tile nt)
+    out_row_bytes = Int64(num_heads) * (D * 2)
+    out_lane = [
+        mOut.iterator.toint()
+        + (Int64(head) * D + Int64(col_cta + col_w + nt * 8 + t2)) * 2
+        for nt in range(NT)
+    ]
+    return Cta(
+        n_tiles=NT,
+        block_v=BV,
+        stage_bytes=rec.stage_bytes,
+        nthreads=rec.num_threads,
+        tid=tid,
+        lane=lane,
+        t2=t2,
+        head=head,
+        seq=seq,
+        num_heads=num_heads,
+        bos=bos,
+        eos=eos,
+        num_chunks=num_chunks,
+        last_chunk=last_chunk,
+        col_cta=col_cta,
+        col_w=col_w,
+        src=src,
+        out_row_bytes=out_row_bytes,
+        out_lane=out_lane,
+    )
+
+
+class StageSources:
+    """Per-CTA constants of the stage loader (a plain bag of trace-time values)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def beta_bits(src, stage, row_tok0, r):
+    """The raw bf16 beta logit of chunk row r from the stage (low 16 bits of an Int32)."""
+    elem = (row_tok0 + r) * src.num_heads + src.head
+    byte = Int32(src.beta_base + Int64(elem) * 2) & 2
+    return ptx.ld_shared_u16(stage + src.beta_off + r * 4 + byte)
 
 
 # ---- the state tile in shared memory (serving recurrence, fused decode) ------------------------

@@ -118,7 +118,6 @@ from cutlass.memory import SmemAllocator
 from .. import contract
 from . import ptx
 from .compile_utils import compile_for_arch
-from .recurrence import _beta_bits, _cta_setup
 from .recurrence_common import (
     CHUNK,
     FP32_RECORD_BYTES,
@@ -135,7 +134,9 @@ from .recurrence_common import (
     D,
     acc_col,
     acc_row,
+    beta_bits,
     checkpoint_segments,
+    cta_setup,
     ldmatrix_a_offset,
     ldmatrix_krt_offset,
     ldmatrix_small_offset,
@@ -414,9 +415,9 @@ def _head_state(mStates, row, cta, esz):
 # Setup, state I/O, the stage loader
 # ----------------------------------------------------------------------------------------------
 def _cta_setup_fp32(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut, ring):
-    """recurrence._cta_setup (indices, sequence bounds, the loader's sources) with the workspace
-    base of this head for 23,040-byte records, and this warp's role (warp_role)."""
-    cta = _cta_setup(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
+    """recurrence_common.cta_setup (indices, sequence bounds, the loader's sources) with the
+    workspace base of this head for 23,040-byte records, and this warp's role (warp_role)."""
+    cta = cta_setup(rec, mV, mBeta, mWorkspace, mCuSeqlens, mOut)
     cta.src.ws_head = (
         mWorkspace.iterator.toint()
         + Int64(cta.head) * Int64(mWorkspace.shape[1]) * FP32_RECORD_BYTES
@@ -600,7 +601,7 @@ def _chain_operands(cta, stage, row_tok0):
     kr_hi, kr_lo = _krt_operands(stage + cta.kshift, lane, 0)
     ints += kr_hi + kr_lo
     floats = [
-        ptx.sigmoid_exp2(ptx.bf16x2_lo_to_f32(_beta_bits(src, stage, row_tok0, acc_row(lane, half))))
+        ptx.sigmoid_exp2(ptx.bf16x2_lo_to_f32(beta_bits(src, stage, row_tok0, acc_row(lane, half))))
         for half in range(2)
     ]
     floats += _gt_rows(stage + cta.gshift, lane, 0)
