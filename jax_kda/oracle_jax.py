@@ -27,6 +27,7 @@ concrete values) are gathered into rows of the longest sequence's length, padded
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -127,23 +128,23 @@ def kda_prefill_oracle_vjp(q, k, v, g, beta, A_log, dt_bias, *, scale=None, lowe
       dinitial_state) in the primals' shapes; dinitial_state is None without an initial state.
     """
     primals = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    cu = None if cu_seqlens is None else tuple(int(c) for c in np.asarray(cu_seqlens))
     with jax.enable_x64(True):
-        primals = tuple(None if x is None else jnp.asarray(x).astype(jnp.float64) for x in primals)
-
-        def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state):
-            return kda_prefill_oracle_jax(q, k, v, g, beta, A_log, dt_bias, scale=scale,
-                                          lower_bound=lower_bound, initial_state=initial_state,
-                                          cu_seqlens=cu_seqlens)
-
-        @jax.jit
-        def run(primals, d_out, d_final_state):
-            (out, final), pullback = jax.vjp(prefill, *primals)
-            d_out = jnp.zeros_like(out) if d_out is None else d_out.astype(jnp.float64)
-            d_final_state = (jnp.zeros_like(final) if d_final_state is None
-                             else d_final_state.astype(jnp.float64))
-            return out, final, pullback((d_out, d_final_state))
-
         as_f64 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float64)
-        out, final, grads = run(primals, as_f64(d_out), as_f64(d_final_state))
+        out, final, grads = _vjp(tuple(map(as_f64, primals)), as_f64(d_out), as_f64(d_final_state),
+                                 scale=scale, lower_bound=lower_bound, cu_seqlens=cu)
         return np.asarray(out), np.asarray(final), tuple(
             None if x is None else np.asarray(x) for x in grads)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "cu_seqlens"))
+def _vjp(primals, d_out, d_final_state, *, scale, lower_bound, cu_seqlens):
+    def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        return kda_prefill_oracle_jax(q, k, v, g, beta, A_log, dt_bias, scale=scale,
+                                      lower_bound=lower_bound, initial_state=initial_state,
+                                      cu_seqlens=None if cu_seqlens is None else np.array(cu_seqlens))
+
+    (out, final), pullback = jax.vjp(prefill, *primals)
+    d_out = jnp.zeros_like(out) if d_out is None else d_out
+    d_final_state = jnp.zeros_like(final) if d_final_state is None else d_final_state
+    return out, final, pullback((d_out, d_final_state))
