@@ -189,13 +189,25 @@ def mma_product(name, spec, a: HiLo, b: HiLo):
 # ----------------------------------------------------------------------------- kernel 1: prepare
 
 
+@jax.custom_jvp
 def sigmoid_exp2(x):
     """The fp32 mode's sigmoid, 1 / (1 + 2^(-x log2 e)) in f32 (ptx.sigmoid_exp2: ex2.approx and
     rcp.approx, relative error a few ulp everywhere). The bf16 mode's tanh.approx form has an
     absolute error of ~2^-12, which for x << 0 (slowly decaying gates: sigmoid(-8) = 3.4e-4) is a
-    large part of the value itself."""
+    large part of the value itself.
+
+    Its derivative is sigmoid(x) sigmoid(-x) (`_sigmoid_exp2_jvp`): autodiff of the formula gives
+    -1 / (1 + inf)^2 * inf = NaN where 2^(-x log2 e) overflows (x < -88.7, channels that never
+    forget), which made the gate gradients NaN."""
     x = _f32(x)
     return 1.0 / (1.0 + jnp.exp2(x * np.float32(-ref._LOG2E)))
+
+
+@sigmoid_exp2.defjvp
+def _sigmoid_exp2_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    s = sigmoid_exp2(x)
+    return s, _f32(dx) * (s * sigmoid_exp2(-_f32(x)))  # two finite values, never 0 * inf
 
 
 def _decays(G):

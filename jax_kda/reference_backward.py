@@ -1,0 +1,442 @@
+"""The backward pass of KDA prefill in pure JAX: gradients of the exact function, chunkwise, in f32.
+
+`kda_prefill_vjp` is the vector-Jacobian product of the exact prefill (docs/numerics.md section 1:
+no rounding anywhere): given the inputs and the cotangents of out and of the final state it returns
+the gradients w.r.t. q, k, v, g, beta, A_log, dt_bias and the initial state. Neither numerics
+mode's roundings (bf16 steps, hi/lo products) are differentiated: both modes compute the same
+function up to rounding, and this is its derivative. It is the definition a GPU backward kernel
+implements; the float64 autodiff of jax_kda.oracle_jax is what it is measured against
+(tests/test_reference_backward.py, benchmarks/grad_accuracy.py).
+
+Notation: per sequence and head, chunks of 16 tokens (the forward's), rows r, c = 0..15, key
+channels k, value columns j; the state S is V x K (state[v, k]). Rows past a sequence's end are
+zero tokens (q = k = v = 0, gate 0, b 0, cotangent 0). All arithmetic is f32; every matrix product
+is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
+
+1. Recompute, chunk-parallel (nothing is saved by the forward):
+     rho_q = 1 / sqrt(|q|^2 + 1e-6), q^ = q rho_q              (likewise k)
+     x = exp(A_log) (g + dt_bias),  s = sigmoid(x),  gamma = gs s,  gs = f32(lower_bound log2 e)
+     G_r = G_{r-1} + gamma_r                                     (sequential over the rows, G_-1 = 0)
+     e = 2^G,  er = 2^(G_15 - G),  rel = 2^(G - G_7),  irel = 2^(G_7 - G),  gt = 2^G_15
+     qd = scale q^ e,  kd = k^ e,  kr = k^ er                     (the inter-chunk operands)
+     qL = scale q^ rel,  kL = k^ rel,  kiL = k^ irel              (the intra-chunk operands)
+     b = sigmoid(beta),  A = strict(kL kiL^T),  L = Diag(b) A,  Mqk = causal(qL kiL^T),
+     W = (I + L)^-1 by forward substitution (row r = e_r - L[r, :] W).
+   Why these are safe in f32: every gate lies in [lower_bound log2 e, 0], so 0 >= G_r >= 16
+   lower_bound log2 e >= -115.4 at lower_bound >= -5, and 2^G_r, 2^-G_r are finite (< 2^126). The
+   inter-chunk factors e, er, gt are <= 1 and underflow only where a product's contribution is below
+   the f32 resolution of its result. The intra-chunk products need k^_r k^_c 2^(G_r - G_c) (r >= c,
+   <= 1); as (k^_r 2^G_r)(k^_c 2^-G_c) their factors reach 2^-115 and 2^115, and a key element below
+   2^-11 makes k^ 2^G subnormal, which .ftz GPU arithmetic and XLA on CPU flush to zero, losing
+   terms as large as 2^-5 k^ k^. Relative to row 7 both factors stay within 2^+-58 (|G_r - G_7| <= 8
+   gates). This is the fp32 forward's factorisation (docs/fp32_mode.md, "Why row 7"). The anchor
+   cancels in every product, so it is a constant under differentiation.
+
+2. Forward state recompute, serial over chunks (lax.scan; `unroll`):
+     S_0 = initial state (zeros if none);
+     P = kd S_c^T,  u = Diag(b) (v - P),  U = W u,  S_{c+1} = S_c Diag(gt) + U^T kr.
+   Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32).
+
+3. Reverse state-gradient chain, serial over chunks from the last (lax.scan reverse; `unroll`):
+     dS_C = d_final_state;  per chunk, given dS_{c+1} (the gradient w.r.t. the state after it):
+     dU = Mqk^T dout + kr dS_{c+1}^T,   du = W^T dU,
+     dS_c = dS_{c+1} Diag(gt) + [dout; -Diag(b) du]^T [qd; kd]   (one product over 32 rows).
+   Mqk^T dout is computed chunk-parallel before the chain; the chain needs no forward state.
+   Saved: dS_{c+1} and du for every chunk; d_initial_state = dS_0.
+
+4. Chunk-parallel gradients (every chunk at once, from S_c, dS_{c+1}, du):
+     P, u, U recomputed from S_c as in 2;
+     dqd = dout S_c,  dp = Diag(b) du,  dv = dp,  dkd = -dp S_c,  dkr = U dS_{c+1},
+     dgt[k] = sum_j S_c[j, k] dS_{c+1}[j, k],
+     dL = -strict(du U^T),  dA = Diag(b) dL,  dMqk = causal(dout U^T),
+     db_r = sum_j du[r, j] (v - P)[r, j] + sum_c dL[r, c] A[r, c],
+     dqL = dMqk kiL,  dkL = dA kiL,  dkiL = dA^T kL + dMqk^T qL,
+     dq^ = scale (e dqd + rel dqL),  dk^ = e dkd + er dkr + rel dkL + irel dkiL,
+     dG = ln2 (qd dqd + kd dkd - kr dkr + qL dqL + kL dkL - kiL dkiL)   (added left to right),
+     dG_15 += ln2 (gt dgt + sum_r kr_r dkr_r),
+     dgamma_r = sum_{i >= r} dG_i   (sequential from row 15 down).
+   These are the derivatives of the chunk form (docs/numerics.md section 1)
+     out = qd S_c^T + Mqk U,  S_{c+1} = S_c Diag(gt) + U^T kr,  U = (I + L)^-1 Diag(b) (v - kd S_c^T),
+   with d(X^-1) = -X^-1 dX X^-1 (so dL = -W^T dU u^T W^T = -du U^T) and d 2^y / dy = ln2 2^y.
+
+5. Token-parallel:
+     dx = dgamma gs s sigmoid(-x),   dg = dx exp(A_log),   dbeta = db sigmoid(beta) sigmoid(-beta),
+     dq = rho_q (dq^ - q^ (q^ . dq^))   (likewise dk),
+     ddt_bias[h, k] = sum over tokens of dg,   dA_log[h] = sum over k and tokens of dx x.
+   sigmoid'(x) is the product of two sigmoid values, finite for every x: where a channel never
+   forgets (x ~ -500, s = 0 in f32) it is 0, where differentiating 1 / (1 + e^-x) would give 0 * inf.
+
+Reduction order (every run gives the same bits): sums that are not matrix products are pairwise
+trees (`tree_sum`: the axis zero-padded to a power of two n, then a[i] + a[i + n/2] until one is
+left); over tokens: the 16 rows of a chunk, then the chunks of a sequence, then the sequences;
+dA_log then over the 128 channels. The running sums (G, dgamma) are sequential over rows. Inside a
+matrix product (over V, K, 16 or 32 rows) the order is XLA's, fixed for a compiled program; a kernel
+fixes its own (k-blocks ascending).
+
+Packed sequences: every sequence is padded to ceil(T / 16) chunks of its own, as in the forward
+(jax_kda.reference.chunked_prefill): tokens of no sequence and an empty sequence's tokens get exact
+zeros, and an empty sequence's chain is dS_c = dS_{c+1} 1 + 0, so its d_initial_state equals its
+d_final_state.
+
+Memory: S_c and dS_{c+1} per chunk, 128 KiB per (sequence, head, chunk) (a kernel would save S_c
+every few chunks and recompute the rest).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._manual_axes import vary_like
+from .contract import CHUNK, HEAD_DIM
+
+_HIGHEST = lax.Precision.HIGHEST
+_LN2 = np.float32(math.log(2.0))
+_ANCHOR_ROW = 7  # intra-chunk products are decayed relative to this row's cumulative gate
+
+
+def _dot(spec, a, b):
+    return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def tree_sum(x, axis):
+    """Sum over `axis` as a pairwise tree in a fixed order: zero-pad to a power of two n, then
+    a[i] + a[i + n/2] until one element is left."""
+    x = jnp.moveaxis(x, axis, 0)
+    n = 1 << max(x.shape[0] - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return x[0]
+
+
+def running_sum(x, reverse=False):
+    """Running sum over the rows (axis -2) of [..., 16, 128], one row added at a time, from row 0
+    (row r holds rows 0..r) or, reversed, from row 15 (row r holds rows r..15)."""
+    def add(total, row):
+        total = total + row
+        return total, total
+
+    _, sums = lax.scan(add, jnp.zeros_like(x[..., 0, :]), jnp.moveaxis(x, -2, 0), reverse=reverse)
+    return jnp.moveaxis(sums, 0, -2)
+
+
+def _strict_lower():
+    r = np.arange(CHUNK)
+    return r[:, None] > r[None, :]
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+class _Layout(NamedTuple):
+    """Where the rows of the [N, C, 16] chunk grid come from: token [N, C, 16] int32 (packed) or
+    None (batched: row t of sequence n is token t of batch row n); valid [N, C, 16] bool."""
+
+    token: jax.Array | None
+    valid: jax.Array
+
+
+def _layout(B, T, cu_seqlens) -> _Layout:
+    num_chunks = -(-T // CHUNK)
+    rows = jnp.arange(num_chunks * CHUNK, dtype=jnp.int32).reshape(num_chunks, CHUNK)
+    if cu_seqlens is None:
+        return _Layout(None, jnp.broadcast_to(rows < T, (B, num_chunks, CHUNK)))
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
+    cu = jnp.clip(cu_seqlens.astype(jnp.int32), 0, T)  # as the forward: clamped, end < start empty
+    starts, lengths = cu[:-1], jnp.maximum(cu[1:] - cu[:-1], 0)
+    valid = rows[None] < lengths[:, None, None]
+    return _Layout(jnp.where(valid, starts[:, None, None] + rows[None], 0), valid)
+
+
+def _to_chunks(x, layout: _Layout):
+    """[B, T, H, ...] -> f32 [N, H, C, 16, ...], rows outside the sequence 0."""
+    N, num_chunks = layout.valid.shape[:2]
+    if layout.token is None:
+        pad = num_chunks * CHUNK - x.shape[1]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape((N, num_chunks, CHUNK) + x.shape[2:])
+    else:
+        x = x[0][layout.token]
+    mask = layout.valid.reshape(layout.valid.shape + (1,) * (x.ndim - 3))
+    return jnp.moveaxis(jnp.where(mask, x.astype(jnp.float32), 0.0), 3, 1)
+
+
+def _from_chunks(x, layout: _Layout, T):
+    """[N, H, C, 16, ...] -> [B, T, H, ...]: rows outside the sequence dropped, tokens of no
+    sequence 0."""
+    x = jnp.moveaxis(x, 1, 3)  # [N, C, 16, H, ...]
+    N, num_chunks = x.shape[:2]
+    if layout.token is None:
+        return x.reshape((N, num_chunks * CHUNK) + x.shape[3:])[:, :T]
+    target = jnp.where(layout.valid, layout.token, T)  # T is out of range: dropped
+    return jnp.zeros((T,) + x.shape[3:], x.dtype).at[target].set(x, mode="drop")[None]
+
+
+# ----------------------------------------------------------------------------- 1. recompute
+
+
+class ChunkFactors(NamedTuple):
+    """Step 1's recomputed quantities; leading axes [N, H, C]; f32."""
+
+    qn: jax.Array  # [..., 16, 128] q^
+    kn: jax.Array  # [..., 16, 128] k^
+    q_rho: jax.Array  # [..., 16]   1 / sqrt(|q|^2 + 1e-6)
+    k_rho: jax.Array  # [..., 16]
+    x: jax.Array  # [..., 16, 128] exp(A_log) (g + dt_bias)
+    b: jax.Array  # [..., 16]   sigmoid(beta), 0 on zero rows
+    e: jax.Array  # [..., 16, 128] 2^G
+    er: jax.Array  # [..., 16, 128] 2^(G_15 - G)
+    rel: jax.Array  # [..., 16, 128] 2^(G - G_7)
+    irel: jax.Array  # [..., 16, 128] 2^(G_7 - G)
+    gt: jax.Array  # [..., 128]  2^G_15
+    qd: jax.Array  # [..., 16, 128] scale q^ e
+    kd: jax.Array  # [..., 16, 128] k^ e
+    kr: jax.Array  # [..., 16, 128] k^ er
+    qL: jax.Array  # [..., 16, 128] scale q^ rel
+    kL: jax.Array  # [..., 16, 128] k^ rel
+    kiL: jax.Array  # [..., 16, 128] k^ irel
+    A: jax.Array  # [..., 16, 16] strict(kL kiL^T)
+    W: jax.Array  # [..., 16, 16] (I + Diag(b) A)^-1
+    mqk: jax.Array  # [..., 16, 16] causal(qL kiL^T)
+
+
+def _l2_normalize(x):
+    rho = lax.rsqrt(tree_sum(x * x, -1) + np.float32(1e-6))
+    return x * rho[..., None], rho
+
+
+def _gate_scale(lower_bound):
+    return np.float32(np.float64(lower_bound) * math.log2(math.e))
+
+
+def forward_substitution(L):
+    """(I + L)^-1 for strictly lower-triangular L [..., 16, 16]: row r = e_r - L[r, :] W for
+    r = 0..15 in order (rows not yet made are 0, and L[r, c] = 0 for c >= r)."""
+
+    def row(r, W):
+        L_r = lax.dynamic_index_in_dim(L, r, axis=-2, keepdims=False)
+        W_r = (jnp.arange(CHUNK) == r).astype(L.dtype) - _dot("...c,...cd->...d", L_r, W)
+        return lax.dynamic_update_index_in_dim(W, W_r, r, axis=-2)
+
+    return lax.fori_loop(0, CHUNK, row, jnp.zeros_like(L))  # a rolled loop compiles in 1/10 the time
+
+
+def chunk_factors(q, k, g, beta, A_log, dt_bias, valid, *, scale, lower_bound) -> ChunkFactors:
+    """Step 1 on chunked f32 inputs [N, H, C, 16, ...] (zero rows 0); A_log [H], dt_bias [H, 128]."""
+    qn, q_rho = _l2_normalize(q)
+    kn, k_rho = _l2_normalize(k)
+    x = jnp.exp(A_log)[:, None, None, None] * (g + dt_bias[:, None, None, :])
+    gate = jnp.where(valid[..., None], _gate_scale(lower_bound) * jax.nn.sigmoid(x), 0.0)
+    G = running_sum(gate)
+    G_last = G[..., -1:, :]
+    anchor = lax.stop_gradient(G[..., _ANCHOR_ROW:_ANCHOR_ROW + 1, :])
+    e, er = jnp.exp2(G), jnp.exp2(G_last - G)
+    rel, irel = jnp.exp2(G - anchor), jnp.exp2(anchor - G)
+    scale = np.float32(scale)
+    qL, kL, kiL = scale * qn * rel, kn * rel, kn * irel
+    b = jnp.where(valid, jax.nn.sigmoid(beta), 0.0)
+    strict = _strict_lower()
+    A = jnp.where(strict, _dot("...rk,...ck->...rc", kL, kiL), 0.0)
+    mqk = jnp.where(~strict.T, _dot("...rk,...ck->...rc", qL, kiL), 0.0)
+    return ChunkFactors(
+        qn=qn, kn=kn, q_rho=q_rho, k_rho=k_rho, x=x, b=b, e=e, er=er, rel=rel, irel=irel,
+        gt=e[..., -1, :], qd=scale * qn * e, kd=kn * e, kr=kn * er, qL=qL, kL=kL, kiL=kiL,
+        A=A, W=forward_substitution(b[..., :, None] * A), mqk=mqk)
+
+
+# ----------------------------------------------------------------------------- 2. and 3.: the chains
+
+
+def _chunks_first(x):
+    return jnp.moveaxis(x, 2, 0)
+
+
+def _chunks_back(x):
+    return jnp.moveaxis(x, 0, 2)
+
+
+def _delta_update(f: ChunkFactors, v, state):
+    """(v - P, U) of step 2 for states [..., 128 (v), 128 (k)] at the chunks' start."""
+    residual = v - _dot("...rk,...vk->...rv", f.kd, state)
+    return residual, _dot("...rc,...cv->...rv", f.W, f.b[..., None] * residual)
+
+
+def forward_states(f: ChunkFactors, v, state0, unroll=1):
+    """Step 2: the state at every chunk's start, [N, H, C, 128, 128]."""
+
+    def step(state, x):
+        fc, vc = x
+        _, U = _delta_update(fc, vc, state)
+        return state * fc.gt[..., None, :] + _dot("...rv,...rk->...vk", U, fc.kr), state
+
+    xs = (ChunkFactors(*map(_chunks_first, f)), _chunks_first(v))
+    _, states = lax.scan(step, state0, xs, unroll=unroll)
+    return _chunks_back(states)
+
+
+def reverse_state_gradients(f: ChunkFactors, d_out, d_final_state, unroll=1):
+    """Step 3 -> (dS after every chunk [N, H, C, 128, 128], du [N, H, C, 16, 128], dS_0)."""
+    dU_out = _dot("...rc,...rv->...cv", f.mqk, d_out)  # Mqk^T dout, chunk-parallel
+
+    def step(dS, x):
+        kr, W, gt, b, qd, kd, dU_out, d_out = x
+        dU = dU_out + _dot("...rk,...vk->...rv", kr, dS)
+        du = _dot("...cr,...cv->...rv", W, dU)  # W^T dU
+        rows = jnp.concatenate([d_out, -(b[..., None] * du)], axis=-2)
+        dS_start = dS * gt[..., None, :] + _dot(
+            "...rv,...rk->...vk", rows, jnp.concatenate([qd, kd], axis=-2))
+        return dS_start, (dS, du)
+
+    xs = tuple(map(_chunks_first, (f.kr, f.W, f.gt, f.b, f.qd, f.kd, dU_out, d_out)))
+    dS0, (dS_after, du) = lax.scan(step, d_final_state, xs, reverse=True, unroll=unroll)
+    return _chunks_back(dS_after), _chunks_back(du), dS0
+
+
+# ----------------------------------------------------------------------------- 4. chunk-parallel
+
+
+class ChunkGradients(NamedTuple):
+    """Step 4's results; leading axes [N, H, C]."""
+
+    dqn: jax.Array  # [..., 16, 128] d q^
+    dkn: jax.Array  # [..., 16, 128] d k^
+    dv: jax.Array  # [..., 16, 128]
+    dgamma: jax.Array  # [..., 16, 128] d gate (log2 units)
+    db: jax.Array  # [..., 16]     d sigmoid(beta)
+
+
+def chunk_gradients(f: ChunkFactors, v, d_out, states, dS_after, du, *, scale) -> ChunkGradients:
+    """Step 4, all chunks at once."""
+    residual, U = _delta_update(f, v, states)
+    dqd = _dot("...rv,...vk->...rk", d_out, states)
+    dp = f.b[..., None] * du
+    dkd = -_dot("...rv,...vk->...rk", dp, states)
+    dkr = _dot("...rv,...vk->...rk", U, dS_after)
+    dgt = _dot("...vk,...vk->...k", states, dS_after)
+    strict = _strict_lower()
+    dL = jnp.where(strict, -_dot("...rv,...cv->...rc", du, U), 0.0)
+    dA = f.b[..., None] * dL
+    dmqk = jnp.where(~strict.T, _dot("...rv,...cv->...rc", d_out, U), 0.0)
+    db = tree_sum(du * residual, -1) + tree_sum(dL * f.A, -1)
+    dqL = _dot("...rc,...ck->...rk", dmqk, f.kiL)
+    dkL = _dot("...rc,...ck->...rk", dA, f.kiL)
+    dkiL = _dot("...rc,...rk->...ck", dA, f.kL) + _dot("...rc,...rk->...ck", dmqk, f.qL)
+    dqn = np.float32(scale) * (f.e * dqd + f.rel * dqL)
+    dkn = f.e * dkd + f.er * dkr + f.rel * dkL + f.irel * dkiL
+    dG = (f.qd * dqd + f.kd * dkd - f.kr * dkr + f.qL * dqL + f.kL * dkL - f.kiL * dkiL) * _LN2
+    last = (f.gt * dgt + tree_sum(f.kr * dkr, -2)) * _LN2
+    dG = dG.at[..., -1, :].add(last)
+    return ChunkGradients(dqn=dqn, dkn=dkn, dv=dp, dgamma=running_sum(dG, reverse=True), db=db)
+
+
+# ----------------------------------------------------------------------------- 5. token-parallel
+
+
+def _l2_normalize_vjp(xn, rho, dxn):
+    """d x for x^ = x rho, rho = (|x|^2 + eps)^-1/2: rho (dx^ - x^ (x^ . dx^))."""
+    return rho[..., None] * (dxn - xn * tree_sum(xn * dxn, -1)[..., None])
+
+
+def _sigmoid_derivative(x):
+    """sigmoid'(x) = sigmoid(x) sigmoid(-x): two values, finite for every x."""
+    return jax.nn.sigmoid(x) * jax.nn.sigmoid(-x)
+
+
+def _sum_tokens(x):
+    """[N, H, C, 16, ...] -> [H, ...]: over the rows of a chunk, the chunks, the sequences."""
+    return tree_sum(tree_sum(tree_sum(x, 3), 2), 0)
+
+
+class Gradients(NamedTuple):
+    """kda_prefill_vjp's result, in the primal inputs' shapes."""
+
+    dq: jax.Array
+    dk: jax.Array
+    dv: jax.Array
+    dg: jax.Array
+    dbeta: jax.Array
+    dA_log: jax.Array
+    ddt_bias: jax.Array
+    dinitial_state: jax.Array | None
+
+
+def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
+                        d_final_state, *, scale=None, lower_bound=-5.0, unroll=1) -> Gradients:
+    """kda_prefill_vjp with every gradient in f32 (before the rounding to the primals' dtypes)."""
+    B, T, H, D = q.shape
+    if D != HEAD_DIM:
+        raise ValueError(f"head dim must be {HEAD_DIM}, got {D}")
+    scale = HEAD_DIM**-0.5 if scale is None else float(scale)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state_shape = (N, H, HEAD_DIM, HEAD_DIM)
+    if d_out is not None and d_out.shape != q.shape:
+        raise ValueError(f"d_out must have out's shape {q.shape}, got {d_out.shape}")
+    if d_final_state is not None and d_final_state.shape != state_shape:
+        raise ValueError(f"d_final_state must have the final state's shape {state_shape}, "
+                         f"got {d_final_state.shape}")
+    zero_state = vary_like(jnp.zeros(state_shape, jnp.float32), v)
+    state0 = zero_state if initial_state is None else initial_state.astype(jnp.float32)
+    dS_final = zero_state if d_final_state is None else d_final_state.astype(jnp.float32)
+    A_log, dt_bias = A_log.astype(jnp.float32), dt_bias.astype(jnp.float32)
+    if T == 0:
+        zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+        return Gradients(*map(zeros, (q, k, v, g, beta, A_log, dt_bias)),
+                         None if initial_state is None else dS_final)
+
+    layout = _layout(B, T, cu_seqlens)
+    chunked = lambda x: _to_chunks(x, layout)
+    vc = chunked(v)
+    d_outc = jnp.zeros_like(vc) if d_out is None else chunked(d_out)
+    f = chunk_factors(chunked(q), chunked(k), chunked(g), chunked(beta), A_log, dt_bias,
+                      jnp.broadcast_to(layout.valid[:, None], vc.shape[:-1]),
+                      scale=scale, lower_bound=lower_bound)
+    states = forward_states(f, vc, state0, unroll)
+    dS_after, du, dS0 = reverse_state_gradients(f, d_outc, dS_final, unroll)
+    grads = chunk_gradients(f, vc, d_outc, states, dS_after, du, scale=scale)
+
+    valid = layout.valid[:, None, :, :, None]
+    dx = jnp.where(valid, grads.dgamma * _gate_scale(lower_bound) * _sigmoid_derivative(f.x), 0.0)
+    rate = jnp.exp(A_log)
+    dg = dx * rate[:, None, None, None]
+    dbeta = jnp.where(layout.valid[:, None], grads.db, 0.0) * _sigmoid_derivative(chunked(beta))
+    unchunked = lambda x: _from_chunks(x, layout, T)
+    return Gradients(
+        dq=unchunked(_l2_normalize_vjp(f.qn, f.q_rho, grads.dqn)),
+        dk=unchunked(_l2_normalize_vjp(f.kn, f.k_rho, grads.dkn)),
+        dv=unchunked(grads.dv), dg=unchunked(dg), dbeta=unchunked(dbeta),
+        dA_log=tree_sum(_sum_tokens(dx * f.x), -1), ddt_bias=_sum_tokens(dg),
+        dinitial_state=None if initial_state is None else dS0)
+
+
+def kda_prefill_vjp(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
+                    d_final_state, *, scale=None, lower_bound=-5.0, unroll=1) -> Gradients:
+    """Gradients of the exact KDA prefill (the module docstring's algorithm).
+
+    Args:
+      q, k, v, g: [B, T, H, 128]; beta: [B, T, H] logits; A_log [H]; dt_bias [H, 128];
+        initial_state: [N, H, 128, 128] or None (zeros); cu_seqlens: None or int [N+1] with B == 1
+        (values may be traced; clamped into [0, T] as in the forward): kda_prefill's inputs.
+      d_out: cotangent of out [B, T, H, 128], or None (zero).
+      d_final_state: cotangent of the final state [N, H, 128, 128], or None (zero).
+      scale (default 128 ** -0.5), lower_bound: as kda_prefill. unroll: of both chunk scans.
+    Returns:
+      Gradients(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state), each in its primal's
+      dtype; dinitial_state is None without an initial state. Tokens covered by no sequence get 0.
+    """
+    grads = kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                d_out, d_final_state, scale=scale, lower_bound=lower_bound,
+                                unroll=unroll)
+    return in_primal_dtypes(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state))
+
+
+def in_primal_dtypes(grads: Gradients, primals) -> Gradients:
+    """f32 gradients rounded once to the dtypes of their primals (q, k, ..., initial_state)."""
+    return Gradients(*(None if d is None else d.astype(x.dtype) for d, x in zip(grads, primals)))

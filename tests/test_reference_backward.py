@@ -1,0 +1,115 @@
+"""The chunkwise f32 backward (jax_kda.reference_backward) against the float64 oracle's autodiff.
+
+Bounds, per gradient (relative RMSE vs the oracle, T = 200 (a partial last chunk), 2 heads):
+* the f32 values before the final rounding: <= 3e-5. Measured when this was written: 3e-8 .. 4.2e-6
+  (the largest for dt_bias and A_log in the strong regime: sums over every token of terms that
+  cancel); f32 arithmetic through a 13-chunk chain, far below any bf16 rounding.
+* the returned gradients: bf16 ones (q, k, v, g, beta) within 2 % of the error of rounding the exact
+  gradient to bf16 alone and <= 2.5e-3 (measured: equal to that rounding error to 4 digits, which is
+  0.8e-3 .. 2.0e-3 here); f32 ones (A_log, dt_bias, the initial state) as the f32 values above.
+Regimes: jax_kda.bench.gradients (strong, fla, keep32: a quarter of the channels never forget,
+slow, unit_decay: keep32 with A_log = log 16 and g ~ N(-3, 1), most decays 1 in f32).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_kda import reference_backward
+from jax_kda.bench import gradients
+
+T, H = 200, 2
+F32_BOUND = 3e-5
+BF16_BOUND = 2.5e-3
+ROUNDING_MARGIN = 1.02
+CU = [0, 0, 37, 37, 100, 101, 180]  # empty sequences, length 1; tokens 180..199 in none
+NAMES = gradients.GRADIENT_NAMES
+TOKEN_GRADIENTS = range(5)  # dq, dk, dv, dg, dbeta: [B, T, H, ...]
+
+
+def assert_matches_exact(case, want, **variant):
+    got32, got = gradients.backward(case, **variant)
+    for name, g32, g, w, x in zip(NAMES, got32, got, want, case.primals):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        if not np.any(w):  # the exact gradient is 0 (q without d_out): so is this one
+            assert not np.any(np.asarray(g32)), name
+            continue
+        f32_error, error = gradients.rel_rmse(g32, w), gradients.rel_rmse(g, w)
+        rounding = gradients.rounding_error(w, x)
+        print(f"{name}: f32 {f32_error:.2e}, returned {error:.2e} (rounding alone {rounding:.2e})")
+        assert f32_error <= F32_BOUND, name
+        if x.dtype == jnp.bfloat16:
+            assert error <= min(ROUNDING_MARGIN * rounding, BF16_BOUND), name
+        else:
+            assert error <= F32_BOUND, name
+
+
+@pytest.mark.parametrize("regime", gradients.GRADIENT_REGIMES)
+def test_gradients_match_the_oracle(regime):
+    case = gradients.make_case(np.random.default_rng(10), T, H, regime)
+    assert_matches_exact(case, gradients.exact(case))
+
+
+def test_packed_sequences_with_empty_ones():
+    case = gradients.make_case(np.random.default_rng(11), T, H, "keep32", cu_seqlens=CU)
+    want = gradients.exact(case)
+    assert_matches_exact(case, want)
+    got = gradients.backward(case)[1]
+    for i in TOKEN_GRADIENTS:  # tokens covered by no sequence: exact zeros
+        assert np.all(np.asarray(got[i][0, CU[-1]:]) == 0), NAMES[i]
+    # an empty sequence passes its final state's cotangent on unchanged
+    np.testing.assert_array_equal(np.asarray(got[7])[[0, 2]], np.asarray(case.d_final_state)[[0, 2]])
+
+
+@pytest.mark.parametrize("with_d_out, with_d_final_state", [
+    pytest.param(True, False, marks=pytest.mark.slow), (False, True)],
+    ids=["d_out_only", "d_final_state_only"])
+def test_one_cotangent(with_d_out, with_d_final_state):
+    case = gradients.make_case(np.random.default_rng(12), T, H, "fla")
+    variant = {"with_d_out": with_d_out, "with_d_final_state": with_d_final_state}
+    assert_matches_exact(case, gradients.exact(case, **variant), **variant)
+    if not with_d_out:  # q enters only the output: its gradient is exactly 0
+        assert not np.any(np.asarray(gradients.backward(case, **variant)[1][0]))
+
+
+def test_bitwise_deterministic_run_to_run():
+    case = gradients.make_case(np.random.default_rng(13), T, H, "keep32")
+    for name, a, b in zip(NAMES, gradients.backward(case)[0], gradients.backward(case)[0]):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32),
+                                      err_msg=name)
+
+
+@pytest.mark.slow
+def test_bitwise_deterministic_across_compilations():
+    case = gradients.make_case(np.random.default_rng(13), T, H, "keep32")
+    fresh = jax.jit(lambda *a: reference_backward.kda_prefill_vjp_f32(
+        *a, scale=gradients.SCALE, lower_bound=gradients.LOWER_BOUND))(
+        *case.primals, None, case.d_out, case.d_final_state)
+    for name, a, b in zip(NAMES, gradients.backward(case)[0], fresh):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32),
+                                      err_msg=name)
+
+
+@pytest.mark.slow
+def test_unroll_changes_nothing_but_rounding():
+    case = gradients.make_case(np.random.default_rng(14), T, H, "fla")
+    for name, a, b in zip(NAMES, gradients.backward(case)[0], gradients.backward(case, unroll=2)[0]):
+        assert gradients.rel_rmse(b, np.asarray(a, np.float64)) <= 1e-6, name
+
+
+def test_dtypes_and_no_initial_state():
+    """Gradients come in the primals' dtypes (a bf16 initial state gets a bf16 one); without an
+    initial state there is no gradient for it; T = 0 gives zeros and passes d_final_state on."""
+    case = gradients.make_case(np.random.default_rng(15), 20, 1, "fla")
+    q, k, v, g, beta, A_log, dt_bias, state = case.primals
+    vjp = jax.jit(reference_backward.kda_prefill_vjp, static_argnames=("scale", "lower_bound"))
+    got = vjp(q, k, v, g, beta, A_log, dt_bias, state.astype(jnp.bfloat16), None, case.d_out,
+              case.d_final_state)
+    assert [x.dtype for x in got] == [jnp.bfloat16] * 5 + [jnp.float32] * 2 + [jnp.bfloat16]
+    got = vjp(q, k, v, g, beta, A_log, dt_bias, None, None, case.d_out, None)
+    assert got.dinitial_state is None and np.any(np.asarray(got.dq) != 0)
+    empty = lambda x: x[:, :0]
+    got = vjp(*map(empty, (q, k, v, g, beta)), A_log, dt_bias, state, None, None, case.d_final_state)
+    assert all(np.all(np.asarray(x) == 0) for x in got[:7])
+    np.testing.assert_array_equal(np.asarray(got.dinitial_state), np.asarray(case.d_final_state))
