@@ -20,12 +20,9 @@ import functools
 import jax
 from jax import lax
 
-from . import _batching, _checks, _ffi, _kernel_path, _partitioning, _reference_path
+from . import _batching, _checks, _ffi, _kernel_path, _partitioning, _reference_path, _vjp
+from ._vjp import KdaInferenceOnlyError
 from .problem import DecodeProblem, Problem
-
-
-class KdaInferenceOnlyError(NotImplementedError):
-    """Raised when something asks for a derivative of the kernel-backed functions."""
 
 
 class KernelsUnavailableError(RuntimeError):
@@ -109,8 +106,10 @@ def kda_prefill(
 
     JAX transformations: jax.jit and jax.export work (see jax_kda.export for the disabled safety
     checks); under jax.vmap the kernel path folds the vmapped axis into B, N or H and still makes
-    one pair of kernel calls (jax_kda._batching); derivatives raise KdaInferenceOnlyError except
-    with backend="reference". Donating initial_state (jax.jit(..., donate_argnames=
+    one pair of kernel calls (jax_kda._batching). Reverse-mode derivatives (jax.grad, jax.vjp)
+    are the gradient of the exact KDA function (jax_kda._vjp, docs/training.md): the forward is
+    the call's own, bitwise; pools, checkpoints and explicit sequence_parallel counts raise
+    KdaInferenceOnlyError; backend="reference" is plain JAX autodiff. Donating initial_state (jax.jit(..., donate_argnames=
     "initial_state")) lets the final state reuse its buffer. Under jax.jit, inputs sharded over
     heads are partitioned over heads: each device runs its local heads (jax_kda._partitioning);
     jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports.
@@ -197,29 +196,20 @@ def run_checked(arrays, problem, mesh=None):
     if problem.backend == "kernel":
         _require_kernels()
     present = tuple(i for i, a in enumerate(arrays) if a is not None)
-    return _inference_only(layout, present, mesh, problem, *(arrays[i] for i in present))
+    return _vjp.with_gradients(_run_kernels, layout, present, mesh, problem,
+                               *(arrays[i] for i in present))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), inline=True)
-def _inference_only(layout, present, mesh, problem, *given):
-    """Steps 2-4 of the kernel backends, jitted (an eager call compiles once per configuration)
-    and with every derivative refused."""
+def _run_kernels(layout, present, mesh, problem, *given):
+    """Steps 2-4 of the kernel backends, jitted (an eager call compiles once per configuration);
+    jax_kda._vjp gives them their derivative."""
     arrays = [None] * len(layout.args)
     for i, a in zip(present, given):
         arrays[i] = a
     if mesh is not None:
         return _partitioning.shard_over_heads(folded_dispatch, layout, arrays, problem, *mesh)
     return _fold(partitioned_dispatch, problem)(*arrays)
-
-
-@_inference_only.defjvp
-def _no_derivative(layout, present, mesh, problem, primals, tangents):
-    raise KdaInferenceOnlyError(
-        "jax_kda is inference-only with backend='kernel' or 'auto': the GPU kernels have "
-        "no backward pass. For derivatives call it with backend='reference', the pure-JAX "
-        "implementation, which JAX differentiates by autodiff."
-    )
 
 
 def reference_step(*arrays, problem):

@@ -214,18 +214,6 @@ def test_kernel_backend_without_gpu_is_clear():
         call(make_args(), backend="kernel")
 
 
-@pytest.mark.parametrize("backend", ["auto"])
-def test_grad_raises_inference_only(backend):
-    args = make_args(t=5)
-
-    def loss(q):
-        out, _ = jax_kda.kda_prefill(**{**args, "q": q}, backend=backend)
-        return out.astype(jnp.float32).sum()
-
-    with pytest.raises(jax_kda.KdaInferenceOnlyError, match="backend='reference'"):
-        jax.grad(loss)(args["q"])
-
-
 def test_final_state_dtype_follows_initial_state():
     args = make_args(t=5)
     for dtype in (jnp.float32, jnp.bfloat16):

@@ -1,5 +1,13 @@
-"""Derivatives: the kernel path is inference-only (clear error naming the alternative); the
-reference path (backend="reference") is differentiable by JAX autodiff and its gradients are right."""
+"""Derivatives of kda_prefill.
+
+- backend "auto" / "kernel": jax.grad / jax.vjp / jax.value_and_grad run the custom VJP of
+  jax_kda._vjp: the forward is the call as without differentiation, the backward
+  jax_kda.reference_backward's gradient of the exact function (checked here against the float64
+  oracle's autodiff, and bitwise against a direct call of the backward); calls without a
+  derivative (pools, checkpoints, explicit segments, kda_decode) raise KdaInferenceOnlyError.
+- backend "reference": plain JAX autodiff through the reference, checked against finite
+  differences of the exact function.
+"""
 
 from functools import partial
 
@@ -9,11 +17,11 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import api, oracle
+from jax_kda import api, oracle, reference_backward
+from jax_kda.bench import gradients
 
 B, T, H = 1, 20, 2
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state")
-ALTERNATIVE = r"backend='reference'"
 
 
 def bf16_values(x):
@@ -35,70 +43,130 @@ def make_point(seed=0):
     return x, direction, weights
 
 
-def prefill(x, backend, lower_bound=-5.0):
+def prefill(x, backend, lower_bound=-5.0, **options):
     bf = lambda a: jnp.asarray(a).astype(jnp.bfloat16)
     return jax_kda.kda_prefill(
         bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g"]), bf(x["beta"]), jnp.asarray(x["A_log"]),
         jnp.asarray(x["dt_bias"]), initial_state=jnp.asarray(x["state"], jnp.float32),
-        output_final_state=True, backend=backend, lower_bound=lower_bound,
+        output_final_state=True, backend=backend, lower_bound=lower_bound, **options,
     )
 
 
-def loss(x, weights, backend="reference", lower_bound=-5.0):
-    out, state = prefill(x, backend, lower_bound)
+def loss(x, weights, backend="reference", lower_bound=-5.0, **options):
+    out, state = prefill(x, backend, lower_bound, **options)[:2]
     return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(state * weights[1])
 
 
-# ------------------------------------------------------------------------------ inference only
+# ------------------------------------------------------------- the kernel backends' custom VJP
 
 
-@pytest.fixture(params=["auto", "kernel"])
-def inference_backend(request, monkeypatch):
-    """auto (reference on this CPU, still guarded) and kernel (availability check skipped: the
-    derivative fails while tracing, before anything would run on a GPU)."""
-    if request.param == "kernel":
-        monkeypatch.setattr(api, "_require_kernels", lambda: None)
-    return request.param
+@pytest.mark.parametrize("numerics", ["flashkda", "fp32"])
+def test_auto_backend_gradient_is_the_backward_of_the_exact_function(numerics):
+    """On this CPU "auto" runs the reference forward and the custom backward: its gradients are
+    kda_prefill_vjp's on the same inputs and cotangents, bitwise, in the primals' dtypes, and the
+    forward is the call's own."""
+    x, _, weights = make_point(seed=2)
+    value, grads = jax.jit(jax.value_and_grad(partial(loss, weights=weights, backend="auto",
+                                                      numerics=numerics)))(x)
+    assert float(value) == float(jax.jit(partial(loss, weights=weights, backend="auto",
+                                                 numerics=numerics))(x))
+    bf = lambda a: jnp.asarray(a).astype(jnp.bfloat16)
+    d_out = jnp.asarray(weights[0], jnp.float32).astype(jnp.bfloat16)
+    want = jax.jit(partial(reference_backward.kda_prefill_vjp, scale=None, lower_bound=-5.0))(
+        bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g"]), bf(x["beta"]), jnp.asarray(x["A_log"]),
+        jnp.asarray(x["dt_bias"]), jnp.asarray(x["state"], jnp.float32), None, d_out,
+        jnp.asarray(weights[1], jnp.float32))
+    for name, w in zip(NAMES, want):
+        # grads of the bf16 primals come back through the f32 -> bf16 casts of `prefill`
+        got = np.asarray(grads[name], np.float32)
+        np.testing.assert_array_equal(got, np.asarray(w.astype(jnp.float32)), err_msg=name)
 
 
-def assert_inference_only(excinfo):
-    assert isinstance(excinfo.value, NotImplementedError)
-    message = str(excinfo.value)
-    assert "inference-only" in message and ALTERNATIVE in message, message
+@pytest.mark.parametrize("regime", ["fla", "keep32"])
+def test_auto_backend_gradients_match_the_float64_oracle(regime):
+    """jax.vjp of kda_prefill (backend "auto", packed sequences with an empty one) against the
+    float64 oracle's autodiff: each gradient at the bf16 rounding floor (within 2 %) or, for the
+    f32 ones, <= 3e-5 relative RMSE."""
+    case = gradients.make_case(np.random.default_rng(4), 80, 2, regime, cu_seqlens=[0, 30, 30, 80])
+    q, k, v, g, beta, A_log, dt_bias, state = case.primals
+    cu = jnp.asarray(case.cu_seqlens)
+
+    def f(q, k, v, g, beta, A_log, dt_bias, state):
+        return jax_kda.kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=state,
+                                   cu_seqlens=cu, output_final_state=True, numerics="fp32")
+
+    _, vjp = jax.vjp(f, *case.primals)
+    got = vjp((case.d_out, case.d_final_state))
+    want = gradients.exact(case)
+    for name, x, gx, w in zip(gradients.GRADIENT_NAMES, case.primals, got, want):
+        assert gx.dtype == x.dtype and gx.shape == x.shape, name
+        error = gradients.rel_rmse(gx, w)
+        if x.dtype == jnp.bfloat16:
+            assert error <= 1.02 * gradients.rounding_error(w, x), (name, error)
+        else:
+            assert error <= 3e-5, (name, error)
+    # tokens 30..79 belong to the third sequence; the empty second one passes its state gradient
+    np.testing.assert_array_equal(np.asarray(got[7][1]), np.asarray(case.d_final_state[1]))
 
 
-def test_grad_raises_inference_only(inference_backend):
+@pytest.mark.parametrize("options, why", [
+    ({"state_indices": "pool"}, "state pools"),
+    ({"checkpoint_every": 16}, "checkpoint_every"),
+    ({"numerics": "fp32", "sequence_parallel": 2}, "sequence_parallel"),
+])
+def test_calls_without_a_derivative_say_so(options, why):
     x, _, weights = make_point()
-    with pytest.raises(jax_kda.KdaInferenceOnlyError) as excinfo:
-        jax.grad(partial(loss, weights=weights, backend=inference_backend))(x)
-    assert_inference_only(excinfo)
+    if options.get("state_indices") == "pool":
+        options = {"state_indices": jnp.zeros((B,), jnp.int32)}
+    with pytest.raises(jax_kda.KdaInferenceOnlyError, match=why):
+        jax.grad(partial(loss, weights=weights, backend="auto", **options))(x)
 
 
-def test_grad_under_jit_and_of_one_parameter_raises(inference_backend):
-    x, _, weights = make_point()
+def test_decode_has_no_derivative():
+    x, _, _ = make_point()
+    bf = lambda a: jnp.asarray(a[:, :1]).astype(jnp.bfloat16)
+    state = jnp.asarray(x["state"])
 
-    def of_A_log(A_log):
-        return loss(dict(x, A_log=A_log), weights, inference_backend)
+    def f(state):
+        out, new = jax_kda.kda_decode(bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g"]),
+                                      bf(x["beta"]), jnp.asarray(x["A_log"]),
+                                      jnp.asarray(x["dt_bias"]), state=state)
+        return jnp.sum(new)
 
-    with pytest.raises(jax_kda.KdaInferenceOnlyError) as excinfo:
-        jax.jit(jax.grad(of_A_log))(x["A_log"])
-    assert_inference_only(excinfo)
+    with pytest.raises(jax_kda.KdaInferenceOnlyError, match="kda_decode is inference-only"):
+        jax.grad(f)(state)
 
 
-@pytest.mark.parametrize("transform", ["jvp", "linearize", "vjp", "jacfwd"])
-def test_other_derivatives_raise(inference_backend, transform):
+def test_forward_mode_is_refused():
     x, direction, _ = make_point()
-    f = lambda state: prefill(dict(x, state=state), inference_backend)[1]
-    state, tangent = jnp.asarray(x["state"]), jnp.asarray(direction["state"])
-    derivative = {  # under jit: the error comes while tracing, nothing runs
-        "jvp": lambda s, t: jax.jvp(f, (s,), (t,)),
-        "linearize": lambda s, t: jax.linearize(f, s)[1](t),
-        "vjp": lambda s, t: jax.vjp(f, s)[1](t),
-        "jacfwd": lambda s, t: jax.jacfwd(lambda s: jnp.sum(f(s)))(s),
-    }[transform]
-    with pytest.raises(jax_kda.KdaInferenceOnlyError) as excinfo:
-        jax.jit(derivative)(state, tangent)
-    assert_inference_only(excinfo)
+    f = lambda state: prefill(dict(x, state=state), "auto")[1]
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(f, (jnp.asarray(x["state"]),), (jnp.asarray(direction["state"]),))
+
+
+def test_kernel_backend_gradient_lowers_to_the_forward_kernels(monkeypatch):
+    """backend="kernel": value_and_grad lowered for CUDA holds the forward's two custom calls once
+    (the residuals are the inputs) and an XLA backward; jax.grad alone, whose loss value nobody
+    uses, needs no forward at all."""
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)  # lowering needs no GPU
+    x, _, weights = make_point()
+    f = partial(loss, weights=weights, backend="kernel")
+    for transform, calls in ((jax.value_and_grad, 1), (jax.grad, 0)):
+        text = jax.jit(transform(f)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @jax_kda_prepare_v1(") == calls, transform
+        assert text.count("custom_call @jax_kda_recurrence_v1(") == calls, transform
+
+
+def test_vmap_of_grad():
+    x, _, weights = make_point(seed=5)
+    stacked = {n: np.stack([v, v[::-1] if v.ndim and n != "A_log" else v]) for n, v in x.items()}
+    grads = jax.jit(jax.vmap(jax.grad(partial(loss, weights=weights, backend="auto"))))(stacked)
+    one = jax.jit(jax.grad(partial(loss, weights=weights, backend="auto")))
+    for i in range(2):
+        want = one({n: v[i] for n, v in stacked.items()})
+        for n in NAMES:
+            np.testing.assert_allclose(np.asarray(grads[n][i], np.float32),
+                                       np.asarray(want[n], np.float32), rtol=2e-2, atol=1e-5)
 
 
 def test_grad_of_other_parameters_passes_through():
@@ -119,12 +187,12 @@ def test_reference_gradients_match_finite_differences_of_the_exact_function():
     """jax.grad through backend="reference" vs central finite differences in float64.
 
     Finite differences of the reference itself measure nothing useful: it rounds to bf16 at every
-    step (docs/numerics.md), so it is piecewise constant at the scale of small steps and noisy at large ones.
-    Autodiff treats each rounding as the identity, so its gradient is the derivative of the exact
-    KDA function evaluated with bf16-rounded intermediates. The test therefore compares it with
-    central differences of the float64 oracle (the exact function; smooth, so eps = 1e-2 has a
-    negligible truncation error) at a point where the bf16 inputs are exact, along a random
-    direction for each input separately and for all together, to 3 %.
+    step (docs/numerics.md), so it is piecewise constant at the scale of small steps and noisy at
+    large ones. Autodiff treats each rounding as the identity, so its gradient is the derivative
+    of the exact KDA function evaluated with bf16-rounded intermediates. The test therefore
+    compares it with central differences of the float64 oracle (the exact function; smooth, so
+    eps = 1e-2 has a negligible truncation error) at a point where the bf16 inputs are exact,
+    along a random direction for each input separately and for all together, to 3 %.
 
     lower_bound = -1 (not the default -5): with strong decay the chunk form's gate derivative is a
     sum of large terms that cancel (2^G_r and 2^-G_r factors computed separately, each to bf16),

@@ -1,0 +1,74 @@
+"""The derivative of kda_prefill on the kernel backends ("auto", "kernel"): a custom VJP around
+the call's steps 2-4 (jax_kda.api).
+
+Forward: the kernels (or, under "auto" off CUDA, the reference) exactly as without
+differentiation, bitwise the same results; the residuals are the call's inputs. Backward: the
+gradient of the exact KDA function (no rounding of either numerics mode is differentiated), in f32,
+by jax_kda.reference_backward's chunkwise algorithm run as XLA: it recomputes every chunk's state
+from the inputs, runs the reverse chain of the state gradient and the chunk-parallel gradients.
+Both numerics modes get this gradient; with numerics="flashkda" the forward stays bitwise
+FlashKDA's. docs/training.md says what is differentiated and how accurate it is.
+
+Reverse mode only (jax.grad, jax.vjp, jax.value_and_grad); forward mode (jvp, jacfwd) is refused
+by JAX for a custom VJP. Not differentiable, with KdaInferenceOnlyError when something asks for a
+derivative: kda_decode, state pools (state_indices), checkpoint_every and explicit
+sequence_parallel segment counts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from . import reference_backward
+from .problem import Problem
+
+
+class KdaInferenceOnlyError(NotImplementedError):
+    """Raised when something asks for a derivative of a call that has none (kda_decode, state
+    pools, checkpoints, explicit sequence-parallel segments)."""
+
+
+def why_not_differentiable(problem) -> str | None:
+    """Why a call has no derivative (None: it has one)."""
+    if not isinstance(problem, Problem):
+        return "kda_decode is inference-only (a serving step); differentiate kda_prefill"
+    if problem.pool_rows is not None:
+        return ("state pools (state_indices) are inference-only: pass per-sequence initial "
+                "states to differentiate")
+    if problem.checkpoint_every is not None:
+        return "checkpoint_every is inference-only: leave it None to differentiate"
+    if problem.segment_length is not None:
+        return ("explicit sequence_parallel segment counts are inference-only: use "
+                "sequence_parallel='auto' or 'off' to differentiate")
+    return None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def with_gradients(run, layout, present, mesh, problem, *given):
+    """run(layout, present, mesh, problem, *given): steps 2-4 of a kernel-backend call on the
+    present arrays (their positions in layout order), differentiable as the module docstring
+    says."""
+    return run(layout, present, mesh, problem, *given)
+
+
+def _forward(run, layout, present, mesh, problem, *given):
+    why = why_not_differentiable(problem)
+    if why is not None:
+        raise KdaInferenceOnlyError(f"jax_kda: no derivative: {why}.")
+    return run(layout, present, mesh, problem, *given), given
+
+
+def _backward(run, layout, present, mesh, problem, given, cotangents):
+    arrays = dict(zip(present, given))
+    q, k, v, g, beta, A_log, dt_bias, state, cu = (arrays.get(i) for i in range(9))
+    d_out, d_final_state, _ = cotangents
+    grads = reference_backward.kda_prefill_vjp(
+        q, k, v, g, beta, A_log, dt_bias, state, cu, d_out, d_final_state,
+        scale=problem.scale, lower_bound=problem.lower_bound)
+    by_position = dict(enumerate(grads))  # positions 0-7: q ... dt_bias, initial state
+    return tuple(by_position.get(i) if i < 8 else None for i in present)
+
+
+with_gradients.defvjp(_forward, _backward)
