@@ -1,0 +1,128 @@
+"""Forward + backward of one loss through kda_prefill, beside its forward alone and (where
+importable) jax-linear-attention's, in one process on the same inputs.
+
+    python benchmarks/training_step.py --heads 96,12,6 --seqlen 8192 --out training.json
+
+Each variant is one jitted chain of R calls (jax_kda.bench.timing: R grows until a chain takes
+>= 5 ms, dispatch amortised), each call's A_log depending on the previous call's results so that
+XLA can neither merge nor drop calls. The loss is sum(out * w_out) + sum(final_state * w_state)
+with fixed random weights; "train" is jax.value_and_grad of it w.r.t. q, k, v, g, beta, A_log,
+dt_bias and the initial state; "forward" is the loss alone. jla's gate and beta sigmoid are
+computed in JAX inside the differentiated function (jla takes them applied), so its A_log and
+dt_bias gradients come from JAX autodiff of that glue. Strong-decay inputs as the bench's
+baselines (jax_kda.bench.inputs). Medians of --repeats samples, microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_kda
+from jax_kda.bench import timing
+
+LOWER_BOUND = -5.0
+SCALE = 128**-0.5
+
+
+def make_inputs(rng, T, H):
+    bf = lambda *s, scale=1.0: jnp.asarray(scale * rng.standard_normal(s), jnp.bfloat16)
+    return {
+        "q": bf(1, T, H, 128), "k": bf(1, T, H, 128), "v": bf(1, T, H, 128),
+        "g": bf(1, T, H, 128, scale=3.0), "beta": bf(1, T, H),
+        "A_log": jnp.asarray(rng.uniform(0, 1, H), jnp.float32),
+        "dt_bias": jnp.asarray(rng.uniform(0, 1, (H, 128)), jnp.float32),
+        "state": jnp.asarray(0.1 * rng.standard_normal((1, H, 128, 128)), jnp.float32),
+    }
+
+
+def jax_kda_loss(numerics, weights, x):
+    out, state = jax_kda.kda_prefill(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+        initial_state=x["state"], output_final_state=True, numerics=numerics,
+        lower_bound=LOWER_BOUND, scale=SCALE)
+    return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(state * weights[1])
+
+
+def jla_loss(kda, weights, x):
+    f32 = jnp.float32
+    log_decay = LOWER_BOUND * jax.nn.sigmoid(jnp.exp(x["A_log"])[:, None]
+                                             * (x["g"].astype(f32) + x["dt_bias"]))
+    out, state = kda(x["q"], x["k"], x["v"], log_decay, jax.nn.sigmoid(x["beta"].astype(f32)),
+                     scale=SCALE, initial_state=jnp.swapaxes(x["state"], -1, -2),
+                     output_final_state=True, use_qk_l2norm=True)
+    return (jnp.sum(out.astype(f32) * weights[0])
+            + jnp.sum(jnp.swapaxes(state, -1, -2) * weights[1]))
+
+
+def _feedback(args, outs):
+    """A_log of the next call depends on this call's results (0 * one element)."""
+    (x,) = args
+    leaf = jax.tree_util.tree_leaves(outs)[-1]
+    return (dict(x, A_log=x["A_log"] + 0.0 * leaf.reshape(-1)[0].astype(jnp.float32)),)
+
+
+def variants(weights):
+    found = {}
+    for numerics in ("flashkda", "fp32"):
+        loss = functools.partial(jax_kda_loss, numerics, weights)
+        found[f"forward:{numerics}"] = loss
+        found[f"train:{numerics}"] = jax.value_and_grad(loss)
+    try:
+        kda = importlib.import_module("jla.ops.mosaic_gpu.kda").kda
+    except Exception as err:  # noqa: BLE001 - an absent peer is reported, not fatal
+        print(f"jla not importable: {type(err).__name__}: {err}")
+    else:
+        found["train:jla"] = jax.value_and_grad(functools.partial(jla_loss, kda, weights))
+    return found
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", default="96,12,6")
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rows = []
+    for H in (int(h) for h in args.heads.split(",")):
+        rng = np.random.default_rng(H)
+        x = make_inputs(rng, args.seqlen, H)
+        weights = (jnp.asarray(rng.standard_normal((1, args.seqlen, H, 128)), jnp.float32),
+                   jnp.asarray(rng.standard_normal((1, H, 128, 128)), jnp.float32))
+        for name, fn in variants(weights).items():
+            if args.only and name not in args.only.split(","):
+                continue
+            try:
+                t = timing.time_jax(fn, (x,), _feedback, repeats=args.repeats, warmup=2,
+                                    inner=4, min_chain_ms=5.0)
+            except Exception as err:  # noqa: BLE001 - one failing variant does not stop the rest
+                print(f"T={args.seqlen} H={H} {name}: FAILED {type(err).__name__}: {err}")
+                rows.append({"heads": H, "seqlen": args.seqlen, "variant": name,
+                             "error": f"{type(err).__name__}: {err}"})
+                continue
+            row = {"heads": H, "seqlen": args.seqlen, "variant": name, **t.summary()}
+            rows.append(row)
+            print(f"T={args.seqlen} H={H} {name}: {t.median_us:.1f} us ({t.method})", flush=True)
+    print("\n| heads | " + " | ".join(sorted({r["variant"] for r in rows})) + " |")
+    for H in sorted({r["heads"] for r in rows}, reverse=True):
+        cells = {r["variant"]: r.get("median_us") for r in rows if r["heads"] == H}
+        print(f"| {H} | " + " | ".join("-" if cells.get(v) is None else f"{cells[v]:.0f}"
+                                      for v in sorted(cells)) + " |")
+    if args.out:
+        meta = {"device": str(jax.devices()[0]), "jax": jax.__version__,
+                "host": platform.node()}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
