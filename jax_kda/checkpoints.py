@@ -48,7 +48,8 @@ def checkpoint_offsets(cu_seqlens, checkpoint_every: int, total_tokens=None):
     use `cu_seqlens = arange(B + 1) * T`.
     """
     if checkpoint_every <= 0 or checkpoint_every % 16:
-        raise ValueError(f"checkpoint_every must be a positive multiple of 16, got {checkpoint_every}")
+        raise ValueError(
+            f"checkpoint_every must be a positive multiple of 16, got {checkpoint_every}")
     xp = jnp if not isinstance(cu_seqlens, np.ndarray) else np
     cu = xp.asarray(cu_seqlens).astype(xp.int32)
     total = cu[-1] if total_tokens is None else total_tokens

@@ -144,7 +144,8 @@ def cpp_header() -> str:
     splits = ", ".join(str(b) for b in COLUMN_SPLITS)
     overlap_splits = ", ".join(str(b) for b in OVERLAP_COLUMN_SPLITS)
     lines = [
-        "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); do not edit.",
+        "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); "
+        "do not edit.",
         "#pragma once",
         "",
         "#include <cstdint>",
