@@ -1,5 +1,6 @@
 """Derivatives: the kernel path is inference-only (clear error naming the alternative); the
-reference path (backend="reference") is differentiable by JAX autodiff and its gradients are right."""
+reference path (backend="reference") is differentiable by JAX autodiff and its gradients are
+right."""
 
 from functools import partial
 
@@ -102,7 +103,8 @@ def test_other_derivatives_raise(inference_backend, transform):
 
 
 def test_grad_of_other_parameters_passes_through():
-    """A model that differentiates something else (kda_prefill's inputs do not depend on it) works."""
+    """A model that differentiates something else (kda_prefill's inputs do not depend on it)
+    works."""
     x, _, _ = make_point()
 
     def model(w):
@@ -119,7 +121,8 @@ def test_reference_gradients_match_finite_differences_of_the_exact_function():
     """jax.grad through backend="reference" vs central finite differences in float64.
 
     Finite differences of the reference itself measure nothing useful: it rounds to bf16 at every
-    step (docs/numerics.md), so it is piecewise constant at the scale of small steps and noisy at large ones.
+    step (docs/numerics.md), so it is piecewise constant at the scale of small steps and noisy at
+    large ones.
     Autodiff treats each rounding as the identity, so its gradient is the derivative of the exact
     KDA function evaluated with bf16-rounded intermediates. The test therefore compares it with
     central differences of the float64 oracle (the exact function; smooth, so eps = 1e-2 has a
@@ -149,7 +152,9 @@ def test_reference_gradients_match_finite_differences_of_the_exact_function():
 
     eps = 1e-2
     for names in [(n,) for n in NAMES] + [NAMES]:
-        finite_difference = (exact_loss(shifted(eps, names)) - exact_loss(shifted(-eps, names))) / (2 * eps)
-        autodiff = sum(float(np.sum(np.asarray(grads[n], np.float64) * direction[n])) for n in names)
+        up, down = exact_loss(shifted(eps, names)), exact_loss(shifted(-eps, names))
+        finite_difference = (up - down) / (2 * eps)
+        autodiff = sum(float(np.sum(np.asarray(grads[n], np.float64) * direction[n]))
+                       for n in names)
         assert abs(finite_difference) > 0.1, (names, finite_difference)  # a real signal
         assert autodiff == pytest.approx(finite_difference, rel=0.03), names
