@@ -1,4 +1,4 @@
-"""Shared fixtures."""
+"""Shared fixtures and collection hooks."""
 
 import collections
 import os
@@ -14,6 +14,17 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from jax_kda import _ffi
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several worker processes share a GPU: each allocates as it goes instead of taking 75 % of
+    # the GPU's memory up front (read when jax creates its GPU client, after this).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked slow run first: under pytest-xdist (make test) no worker is then left running
+    one of them after the others have finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "
 B, T, H = 2, 20, 16
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(IN_SUBPROCESS, reason="this is the parent of the subprocess")
 def test_sharding_on_eight_virtual_cpu_devices():
     env = dict(os.environ, KDA_SHARDING_SUBPROCESS="1", JAX_PLATFORMS="cpu")
