@@ -101,6 +101,20 @@ def _decode_with_states(a, pool, idx, **kw):
 DECODE_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
 
+def _prefix_final_states(a, prefixes, states):
+    """The fp32 prefill's final state on each token range (batch row, start, length) of a, from
+    its initial state in states [len(prefixes), H, 128, 128]: one packed call (a packed sequence
+    is the sequence alone, bit for bit: tests/test_reference_fp32.py)."""
+    tokens = {k: (jnp.concatenate([x[b:b + 1, start:start + length]
+                                   for b, start, length in prefixes], axis=1)
+                  if x.ndim >= 3 else x) for k, x in a.items()}
+    cu = jnp.asarray(np.cumsum([0] + [length for *_, length in prefixes]), jnp.int32)
+    _, final = jax.jit(lambda a, s, c: jax_kda.kda_prefill(
+        **a, initial_state=s, cu_seqlens=c, output_final_state=True, scale=SCALE,
+        lower_bound=LOWER, numerics="fp32"))(tokens, states, cu)
+    return final
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fp32_decode_intermediate_states_are_prefix_prefills(dtype):
     """Reference backend: state i == the fp32 prefill's final state on the first i + 1 tokens,
@@ -116,13 +130,12 @@ def test_fp32_decode_intermediate_states_are_prefix_prefills(dtype):
         a, pool)
     np.testing.assert_array_equal(bits(out), bits(plain_out))
     np.testing.assert_array_equal(bits(new_pool), bits(plain_pool))
-    for n, row in ((0, 2), (2, 0)):
-        for i in range(5):
-            part = {k: (x[n:n + 1, :i + 1] if x.ndim >= 3 else x) for k, x in a.items()}
-            _, final = jax.jit(lambda a, s: jax_kda.kda_prefill(
-                **a, initial_state=s, output_final_state=True, scale=SCALE, lower_bound=LOWER,
-                numerics="fp32"))(part, pool[row:row + 1])
-            np.testing.assert_array_equal(bits(states[n, i]), bits(final[0]))
+    owners = ((0, 2), (2, 0))  # (sequence, pool row)
+    prefixes = [(n, 0, i + 1) for n, _ in owners for i in range(5)]
+    finals = _prefix_final_states(a, prefixes, pool[np.repeat([row for _, row in owners], 5)])
+    for (n, _, length), final in zip(prefixes, finals, strict=True):
+        np.testing.assert_array_equal(bits(states[n, length - 1]), bits(final))
+    for n, row in owners:
         np.testing.assert_array_equal(bits(states[n, -1]), bits(new_pool[row]))
     assert not np.asarray(states[1].astype(jnp.float32)).any()
     assert not np.asarray(out[1].astype(jnp.float32)).any()
@@ -248,15 +261,16 @@ def test_fp32_checkpoints_are_prefix_prefills(dtype):
     offsets = np.asarray(jax_kda.checkpoint_offsets(cu, n))
     assert ckpts.dtype == dtype and ckpts.shape[0] >= offsets[-1]
     np.testing.assert_array_equal(offsets, [0, 2, 2, 4, 4])  # 16, 32 of 40 and of 37 tokens
+    rows, prefixes, owners = [], [], []  # checkpoint row, (0, start, length), pool row
     for s in range(len(cu) - 1):
         for j in range(offsets[s + 1] - offsets[s]):
             row = offsets[s] + j
             if int(idx[s]) < 0:
                 assert not np.asarray(ckpts[row].astype(jnp.float32)).any()
                 continue
-            part = {k: (x[:, cu[s]:cu[s] + (j + 1) * n] if x.ndim >= 3 else x)
-                    for k, x in a.items()}
-            _, final = jax.jit(lambda p, s0: jax_kda.kda_prefill(
-                **p, initial_state=s0, output_final_state=True, scale=SCALE, lower_bound=LOWER,
-                numerics="fp32"))(part, pool[int(idx[s])][None])
-            np.testing.assert_array_equal(bits(ckpts[row]), bits(final[0]))
+            rows.append(row)
+            prefixes.append((0, int(cu[s]), (j + 1) * n))
+            owners.append(int(idx[s]))
+    finals = _prefix_final_states(a, prefixes, pool[np.asarray(owners)])
+    for row, final in zip(rows, finals, strict=True):
+        np.testing.assert_array_equal(bits(ckpts[row]), bits(final))

@@ -149,21 +149,23 @@ def test_under_vmap_each_element_is_cut_alone():
     shared = {"A_log": None, "dt_bias": None}
     axes = ({**{k: 0 for k in a}, **shared},)
     mapped = jax.jit(jax.vmap(lambda x: one(x, 4), in_axes=axes))(a)
+    run_alone = jax.jit(lambda x: one(x, 4))
     for i, x in enumerate(xs):
-        alone = jax.jit(lambda x: one(x, 4))(x)
+        alone = run_alone(x)
         for got, want in zip(mapped, alone):
             np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
 
 
 def test_pieces_cover_each_sequence_with_whole_chunks():
     rng = np.random.default_rng(7)
+    pieces = jax.jit(_sequence_parallel.pieces, static_argnames=("capacity", "length"))
     for _ in range(20):
         lens = rng.integers(0, 300, size=rng.integers(1, 6))
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         length = 16 * int(rng.integers(1, 8))
         capacity = _sequence_parallel.piece_capacity(
             num_seqs=len(lens), total_tokens=int(cu[-1]), varlen=True, length=length)
-        piece_cu, owner, first, last = (np.asarray(x) for x in _sequence_parallel.pieces(
+        piece_cu, owner, first, last = (np.asarray(x) for x in pieces(
             jnp.asarray(cu), capacity=capacity, length=length))
         assert piece_cu[0] == 0 and piece_cu[-1] == cu[-1] and np.all(np.diff(piece_cu) >= 0)
         for n, (bos, eos) in enumerate(itertools.pairwise(cu)):
