@@ -50,10 +50,11 @@ def make_inputs(rng, B: int, T: int, H: int, *, regime="mixed", law: str = "norm
     dt_bias [H, 128]. `regime`: a name of REGIMES or a pair (GATE_LAWS key, BIAS_LAWS key)."""
     if isinstance(regime, str) and regime in regimes.REGIMES:
         return regimes.make_inputs(rng, T, H, regime, law, B=B)
-    g_law, bias_law = NAMED.get(regime, regime) if isinstance(regime, str) else regime
-    if g_law not in GATE_LAWS or bias_law not in BIAS_LAWS:
+    laws = NAMED.get(regime) if isinstance(regime, str) else tuple(regime)
+    if laws is None or len(laws) != 2 or laws[0] not in GATE_LAWS or laws[1] not in BIAS_LAWS:
         raise ValueError(f"regime must be one of {REGIMES} or a pair of laws "
                          f"({tuple(GATE_LAWS)}, {tuple(BIAS_LAWS)}), got {regime!r}")
+    g_law, bias_law = laws
     if law not in regimes.LAWS:
         raise ValueError(f"law must be one of {regimes.LAWS}, got {law!r}")
     # drawn in the order of jax_kda.bench.regimes.make_inputs
