@@ -59,6 +59,12 @@ def make_args(b=B, t=T, h=H, seed=0, state_dtype=jnp.bfloat16, num_seqs=None):
     return args
 
 
+def run_compiled(fn, **kwargs):
+    """fn's results on kwargs and the text of its compiled program, from one compilation."""
+    compiled = fn.lower(**kwargs).compile()
+    return compiled(**kwargs), compiled.as_text()
+
+
 def head_mesh(axis_types=None):
     return jax.make_mesh((DEVICES,), ("tp",), axis_types=axis_types or (AxisType.Auto,))
 
@@ -83,13 +89,11 @@ def test_sharded_equals_unsharded_without_collectives(backend):
     args = make_args()
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
                          output_final_state=True, backend=backend))
-    sharded_args = put_head_sharded(args, mesh)
-    out, state = fn(**sharded_args)
+    (out, state), hlo = run_compiled(fn, **put_head_sharded(args, mesh))
     assert_bits((out, state), _unsharded(**args))
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), out.ndim)
     assert state.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), state.ndim)
     assert state.dtype == jnp.bfloat16
-    hlo = fn.lower(**sharded_args).compile().as_text()
     found = [c for c in COLLECTIVES if c in hlo]
     assert not found, found
 
@@ -115,9 +119,8 @@ def test_explicit_mesh_unsharded_inputs_without_initial_state(varlen):
     del args["initial_state"]
     extra = {"cu_seqlens": jnp.asarray([0, 5, 5, 37], jnp.int32)} if varlen else {}
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True))
-    got = fn(**args, **extra)
+    got, hlo = run_compiled(fn, **args, **extra)
     assert_bits(got, _unsharded(**args, **extra))
-    hlo = fn.lower(**args, **extra).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -130,8 +133,7 @@ def test_context_mesh_with_explicit_axes(head_sharded):
     with jax.set_mesh(mesh):
         given = put_head_sharded(args, mesh) if head_sharded else args
         fn = jax.jit(partial(jax_kda.kda_prefill_sharded, output_final_state=True))
-        out, state = fn(**given)
-        hlo = fn.lower(**given).compile().as_text()
+        (out, state), hlo = run_compiled(fn, **given)
     assert_bits((out, state), _unsharded(**args))
     if head_sharded:
         assert not [c for c in COLLECTIVES if c in hlo]
@@ -143,10 +145,8 @@ def test_two_dimensional_mesh_heads_on_one_axis():
     args = make_args(seed=3)
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
                          output_final_state=True))
-    sharded_args = put_head_sharded(args, mesh)
-    out, state = fn(**sharded_args)
+    (out, state), hlo = run_compiled(fn, **put_head_sharded(args, mesh))
     assert_bits((out, state), _unsharded(**args))
-    hlo = fn.lower(**sharded_args).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -157,11 +157,9 @@ def test_plain_jit_on_head_sharded_inputs_partitions_over_heads(backend):
     mesh = head_mesh()
     args = make_args(seed=4)
     fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend=backend))
-    sharded_args = put_head_sharded(args, mesh)
-    out, state = fn(**sharded_args)
+    (out, state), hlo = run_compiled(fn, **put_head_sharded(args, mesh))
     assert_bits((out, state), _unsharded(**args))
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), out.ndim)
-    hlo = fn.lower(**sharded_args).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -175,10 +173,8 @@ def test_plain_jit_explicit_mesh_without_initial_state(varlen):
     del args["initial_state"]
     extra = {"cu_seqlens": jnp.asarray([0, 5, 5, 37], jnp.int32)} if varlen else {}
     fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True))
-    sharded_args = put_head_sharded(args, mesh)
-    got = fn(**sharded_args, **extra)
+    got, hlo = run_compiled(fn, **put_head_sharded(args, mesh), **extra)
     assert_bits(got, _unsharded(**args, **extra))
-    hlo = fn.lower(**sharded_args, **extra).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -205,11 +201,9 @@ def test_plain_jit_kernel_path_runs_on_local_heads(monkeypatch):
     mesh = head_mesh()
     args = make_args(seed=6)
     fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
-    sharded_args = put_head_sharded(args, mesh)
-    got = fn(**sharded_args)
+    got, hlo = run_compiled(fn, **put_head_sharded(args, mesh))
     assert_bits(got, _unsharded(**args))
     assert H // DEVICES in core.heads and H not in core.heads[-1:], core.heads
-    hlo = fn.lower(**sharded_args).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -230,12 +224,11 @@ def test_pools_checkpoints_and_decode_shard_over_heads():
     sharded = put_head_sharded(args, mesh)
     sharded_pool = jax.device_put(pool, NamedSharding(mesh, specs["initial_state"]))
     plain = jax.jit(prefill)
-    assert_bits(plain(**sharded, initial_state=sharded_pool), want)
     helper = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, cu_seqlens=cu,
                              state_indices=idx, output_final_state=True, checkpoint_every=16))
-    assert_bits(helper(**sharded, initial_state=sharded_pool), want)
-    for fn, kwargs in ((plain, {}), (helper, {})):
-        hlo = fn.lower(**sharded, initial_state=sharded_pool, **kwargs).compile().as_text()
+    for fn in (plain, helper):
+        got, hlo = run_compiled(fn, **sharded, initial_state=sharded_pool)
+        assert_bits(got, want)
         assert not [c for c in COLLECTIVES if c in hlo]
 
     step = make_args(b=3, t=2, seed=11)
