@@ -29,8 +29,12 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) -m jax_kda
 
+# Tests in parallel processes (pytest-xdist), one per CPU core up to 8. Work stealing: each worker
+# starts on one contiguous share of the tests (so a module's shared fixtures are mostly set up
+# once) and takes over the end of another's share when it runs out. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= auto
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 8 --dist worksteal
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu

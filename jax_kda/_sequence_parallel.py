@@ -174,8 +174,9 @@ def resolved_length(problem, *, sm_count: int | None = None) -> int | None:
 # parallelism"). Per 16-token chunk the block_v = 16 recurrence takes 0.89 us while each SM runs
 # one of its CTAs and 1.29 us at two (benchmarks/results/h200-20261201-fp32-grid-2.json: 457 and
 # 662 us for 512 chunks); a cut into n pieces runs three passes of ceil(chunks / n) chunks plus the
-# combine and its launches, ~35 us + 2.3 us per (piece, head) state (fitted to the sequence-parallel
-# measurements, h200-20261201-sp-*.json; the plan is within 5 % of the fastest measured count there).
+# combine and its launches, ~35 us + 2.3 us per (piece, head) state (fitted to the
+# sequence-parallel measurements, h200-20261201-sp-*.json; the plan is within 5 % of the fastest
+# measured count there).
 _CHUNK_US = {1: 0.89, 2: 1.29}  # CTAs of block_v = 16 per SM -> us per chunk
 _COMBINE_US = 35.0
 _COMBINE_US_PER_STATE = 2.3

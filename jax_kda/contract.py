@@ -116,7 +116,8 @@ def cpp_header() -> str:
     sms = ", ".join(str(arch_sm(a)) for a in ARCHS)
     splits = ", ".join(str(b) for b in COLUMN_SPLITS)
     lines = [
-        "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); do not edit.",
+        "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); "
+        "do not edit.",
         "#pragma once",
         "",
         "#include <cstdint>",

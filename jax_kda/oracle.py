@@ -1,4 +1,5 @@
-"""Float64 token-by-token KDA oracle in numpy: the exact math of docs/numerics.md, no chunking, no roundings.
+"""Float64 token-by-token KDA oracle in numpy: the exact math of docs/numerics.md, no chunking, no
+roundings.
 
 Per sequence and head, for each token t:
   q, k L2-normalised (x / sqrt(|x|^2 + 1e-6), the kernels' epsilon),

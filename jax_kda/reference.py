@@ -3,13 +3,16 @@
 Runs anywhere (CPU included) under jit; it is the readable definition of the numerics the CuTe DSL
 kernels implement. Structure follows the two kernels:
 
-* `prepare_reference`: the prepare step (docs/numerics.md) on 16-token chunks -> `ChunkWorkspace` (kd, qd, kr, gt, inv, mqk).
-* `recurrence_reference`: the recurrence (docs/numerics.md), a `lax.scan` over chunks, state kept in bf16 between chunks.
-* `kda_prefill_reference`: the whole prefill on [B, T, H, 128] inputs, batched or packed (cu_seqlens).
+* `prepare_reference`: the prepare step (docs/numerics.md) on 16-token chunks -> `ChunkWorkspace`
+  (kd, qd, kr, gt, inv, mqk).
+* `recurrence_reference`: the recurrence (docs/numerics.md), a `lax.scan` over chunks, state kept
+  in bf16 between chunks.
+* `kda_prefill_reference`: the whole prefill on [B, T, H, 128] inputs, batched or packed
+  (cu_seqlens).
 
 Axis convention: every chunked array has arbitrary leading axes `...` (for the prefill they are
-[N, H, C]: sequence, head, chunk), then the 16 chunk rows, then the 128 features. `gt` is [..., 128],
-`inv` and `mqk` are [..., 16, 16], `beta` is [..., 16].
+[N, H, C]: sequence, head, chunk), then the 16 chunk rows, then the 128 features. `gt` is
+[..., 128], `inv` and `mqk` are [..., 16, 16], `beta` is [..., 16].
 
 How the GPU's approximate or fused operations are emulated (XLA offers no exact equivalent):
 * ex2.approx.ftz: 2^x as exp2 of the fraction times an exact power of two, results below 2^-126 in
@@ -18,8 +21,9 @@ How the GPU's approximate or fused operations are emulated (XLA offers no exact 
 * tanh.approx / rsqrt.approx: XLA's tanh and rsqrt (last-bit differences possible, as above).
 * fmaf (stable inverse, state update): emulated exactly with error-free transformations (`fma_f32`);
   inputs go through an optimization barrier so XLA cannot contract parts of it into hardware FMAs.
-* XLA contracts a*b+c into an FMA on CPU. Where the contract rounds a product before adding it (the gate
-  before its running sum) the product is put behind an optimization barrier, so the sum is unfused.
+* XLA contracts a*b+c into an FMA on CPU. Where the contract rounds a product before adding it
+  (the gate before its running sum) the product is put behind an optimization barrier, so the sum
+  is unfused.
 * f32-accumulating MMAs: f32 dots at precision HIGHEST (bf16 x bf16 products are exact in f32; the
   order of the f32 additions inside a dot is XLA's, not the tensor core's).
 * f16-accumulating MMAs (neumann): f32 dot of the 16-wide k-block plus the f16 accumulator, then one
@@ -143,7 +147,8 @@ def _round_bf16_scaled(x_s):
 
 
 def _unscale_to_bf16(x_s):
-    """The bf16 array holding x_s * 2^-64 (x_s already bf16-rounded), subnormals written bit by bit."""
+    """The bf16 array holding x_s * 2^-64 (x_s already bf16-rounded), subnormals written bit by
+    bit."""
     if not _ROUNDING:
         return x_s * _SUB_UNSCALE
     normal = (x_s * _SUB_UNSCALE).astype(jnp.bfloat16)
@@ -155,7 +160,8 @@ def _unscale_to_bf16(x_s):
 
 def _dot(spec, a, b):
     """f32-accumulating matrix product (inputs widened to f32 first: exact for bf16/f16)."""
-    return jnp.einsum(spec, _f32(a), _f32(b), precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, _f32(a), _f32(b), precision=_HIGHEST,
+                      preferred_element_type=jnp.float32)
 
 
 def _pow2_int(n):
@@ -190,7 +196,8 @@ def _two_sum(a, b):
 
 
 def _split_hi_lo(x):
-    """x = hi + lo exactly, each with at most 12 significant bits (product of two is exact in f32)."""
+    """x = hi + lo exactly, each with at most 12 significant bits (a product of two is exact in
+    f32)."""
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     hi = lax.bitcast_convert_type(bits & np.uint32(0xFFFFF000), jnp.float32)
     return hi, x - hi
@@ -251,11 +258,12 @@ def _strict_lower(n):
 
 
 def forward_substitution_inverse(lmat):
-    """(I + L)^-1 in f32 for strictly lower-triangular L [..., n, n] (zero on and above the diagonal).
+    """(I + L)^-1 in f32 for strictly lower-triangular L [..., n, n] (zero on and above the
+    diagonal).
 
     Prepare step 6's in-place substitution (docs/numerics.md): column s ends up holding -L's
-    eliminations, earlier columns get fmaf updates. The stable inverse runs it on its two 8x8 blocks,
-    the fp32 mode (reference_fp32) on the whole 16x16 matrix.
+    eliminations, earlier columns get fmaf updates. The stable inverse runs it on its two 8x8
+    blocks, the fp32 mode (reference_fp32) on the whole 16x16 matrix.
     """
     n = lmat.shape[-1]
     rows, cols = np.arange(n)[:, None], np.arange(n)[None, :]
@@ -272,7 +280,8 @@ def forward_substitution_inverse(lmat):
 
 
 def _stable_inverse(kd_s, ki, b):
-    """Prepare step 6 (docs/numerics.md), "stable": blockwise f32 forward substitution + one bf16 correction."""
+    """Prepare step 6 (docs/numerics.md), "stable": blockwise f32 forward substitution + one bf16
+    correction."""
     strict = _strict_lower(CHUNK)
     lmat = jnp.where(strict, _dot("...rd,...cd->...rc", kd_s, ki) * _SUB_UNSCALE, 0.0)
     lmat = lmat * b[..., :, None]
@@ -299,7 +308,8 @@ def _f16_mma(x, y):
 
 
 def _neumann_inverse(kd_s, ki, b):
-    """Prepare step 6 (docs/numerics.md), "neumann" (FlashKDA v1): f16 products (I - L)(I + L^2)(I + L^4)(I + L^8)."""
+    """Prepare step 6 (docs/numerics.md), "neumann" (FlashKDA v1): f16 products
+    (I - L)(I + L^2)(I + L^4)(I + L^8)."""
     strict = _strict_lower(CHUNK)
     lmat = _round_f16(_dot("...rd,...cd->...rc", kd_s, ki) * _SUB_UNSCALE)
     lmat = jnp.where(strict, _round_f16(lmat * _round_f16(b)[..., :, None]), 0.0)
@@ -313,7 +323,8 @@ def _neumann_inverse(kd_s, ki, b):
 
 
 def gate_cumsum(g, A_log, dt_bias, lower_bound, valid, sigmoid=None):
-    """Prepare step 2 (docs/numerics.md): G_r, the f32 running sum of the log2 gates, [..., 16, 128].
+    """Prepare step 2 (docs/numerics.md): G_r, the f32 running sum of the log2 gates,
+    [..., 16, 128].
 
     gate = lower_bound log2(e) * sigmoid((g + dt_bias) * 2^(A_log log2 e)), 0 on invalid rows.
     Shared with the fp32 mode (reference_fp32), which passes its own sigmoid (default: the
@@ -375,14 +386,16 @@ def prepare_reference(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound, inve
     # Steps 5-6.
     b = sigmoid_tanh(beta)
     inv = (_stable_inverse if inverse == "stable" else _neumann_inverse)(kd_s, ki, b)
-    return ChunkWorkspace(_unscale_to_bf16(kd_s), _unscale_to_bf16(qd_s), _store_bf16(kr), gt, inv, mqk)
+    return ChunkWorkspace(_unscale_to_bf16(kd_s), _unscale_to_bf16(qd_s), _store_bf16(kr), gt, inv,
+                          mqk)
 
 
 # ----------------------------------------------------------------------------- kernel 2: recurrence
 
 
 def _chunk_step(state, ws: ChunkWorkspace, v, beta):
-    """the recurrence (docs/numerics.md) on one chunk. state bf16 [..., 128 (v), 128 (k)]; returns (state', out)."""
+    """the recurrence (docs/numerics.md) on one chunk. state bf16 [..., 128 (v), 128 (k)]; returns
+    (state', out)."""
     s = _f32(state)
     p = _round_bf16(_dot("...rk,...vk->...rv", ws.kd, s))
     oq = _round_bf16(_dot("...rk,...vk->...rv", ws.qd, s))
@@ -400,7 +413,8 @@ def recurrence_reference(ws: ChunkWorkspace, v, beta, initial_state, checkpoint_
 
     Args:
       ws: ChunkWorkspace with leading axes [..., C] (C chunks, in order).
-      v: bf16 [..., C, 16, 128] (zero on rows past the sequence end). beta: bf16 [..., C, 16] logits.
+      v: bf16 [..., C, 16, 128] (zero on rows past the sequence end).
+      beta: bf16 [..., C, 16] logits.
       initial_state: [..., 128, 128] V-major (state[..., v, k]); rounded to bf16 on entry.
       checkpoint_chunks: None, or n: also return the state after every n chunks.
     Returns:
@@ -486,9 +500,9 @@ def kda_prefill_reference(q, k, v, g, beta, A_log, dt_bias, *, scale, lower_boun
       q, k, v, g: bf16 [B, T, H, 128]. beta: bf16 [B, T, H] (logits).
       A_log: f32 [H]. dt_bias: f32 [H, 128]. scale, lower_bound: Python floats.
       initial_state: [N, H, 128, 128] (state[n, h, v, k]; rounded to bf16) or None (zeros).
-      cu_seqlens: None (each batch row is one sequence, N = B) or int32 [N+1] with B == 1. Its values
-        may be traced. They are clamped into [0, T]; end < start counts as an empty sequence. Cost is
-        O(N * T): every sequence is padded to ceil(T / 16) chunks.
+      cu_seqlens: None (each batch row is one sequence, N = B) or int32 [N+1] with B == 1. Its
+        values may be traced. They are clamped into [0, T]; end < start counts as an empty
+        sequence. Cost is O(N * T): every sequence is padded to ceil(T / 16) chunks.
       inverse: "stable" or "neumann".
       checkpoint_every: None, or a multiple n of 16: also return each sequence's states after
         n, 2n, ... tokens strictly before its end, packed as jax_kda.checkpoints describes.

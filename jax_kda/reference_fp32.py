@@ -7,7 +7,8 @@ matrices is written as the bf16 MMAs the kernels issue on hi + lo pairs
 the way reference.py is for the bf16 ("flashkda") mode; it shares reference.py's helpers (gate,
 L2 norm, ex2/sigmoid/rsqrt emulation, fmaf, the forward substitution, the chunk layout).
 
-* `prepare_reference_fp32`: kernel 1 -> `Fp32Workspace` (kd, qd, kr, INV, Mqk as hi/lo pairs, gt f32).
+* `prepare_reference_fp32`: kernel 1 -> `Fp32Workspace` (kd, qd, kr, INV, Mqk as hi/lo pairs,
+  gt f32).
 * `recurrence_reference_fp32`: kernel 2, a `lax.scan` over chunks with an f32 state.
 * `kda_prefill_reference_fp32`: the whole prefill, batched or packed, like `kda_prefill_reference`.
 
@@ -130,7 +131,8 @@ def split_hi_lo(x) -> HiLo:
 
 
 def _workspace_operand(name, x) -> HiLo:
-    """x split for the record: lo kept only if a product that takes `name` as A uses an "l." term."""
+    """x split for the record: lo kept only if a product that takes `name` as A uses an "l."
+    term."""
     pair = split_hi_lo(x)
     terms = [t for product in _A_OPERAND_OF[name] for t in _ACTIVE_TERMS[product]]
     needs_lo = any(t[0] == "l" or t == "tf32" for t in terms)
@@ -272,7 +274,8 @@ def prepare_reference_fp32(q, k, g, beta, A_log, dt_bias, *, scale, lower_bound,
 
 
 def _chunk_step(state, ws: Fp32Workspace, v, beta):
-    """Kernel 2 on one chunk in fp32 mode. state f32 [..., 128 (v), 128 (k)]; returns (state', out)."""
+    """Kernel 2 on one chunk in fp32 mode. state f32 [..., 128 (v), 128 (k)]; returns
+    (state', out)."""
     s = split_hi_lo(state)
     p = key_halves_product("P", "...rk,...vk->...rv", ws.kd, s)
     oq = key_halves_product("Oq", "...rk,...vk->...rv", ws.qd, s)
@@ -286,12 +289,15 @@ def _chunk_step(state, ws: Fp32Workspace, v, beta):
 
 
 def recurrence_reference_fp32(ws: Fp32Workspace, v, beta, initial_state, checkpoint_chunks=None):
-    """Kernel 2 in fp32 mode: the chunk recurrence, serial over the chunk axis, state f32 throughout.
+    """Kernel 2 in fp32 mode: the chunk recurrence, serial over the chunk axis, state f32
+    throughout.
 
     Args:
       ws: Fp32Workspace with leading axes [..., C] (C chunks, in order).
-      v: bf16 [..., C, 16, 128] (zero on rows past the sequence end). beta: bf16 [..., C, 16] logits.
-      initial_state: [..., 128, 128] V-major (state[..., v, k]), bf16 (widened) or f32 (read as is).
+      v: bf16 [..., C, 16, 128] (zero on rows past the sequence end).
+      beta: bf16 [..., C, 16] logits.
+      initial_state: [..., 128, 128] V-major (state[..., v, k]), bf16 (widened) or f32 (read as
+        is).
       checkpoint_chunks: None, or n: also return the state after every n chunks.
     Returns:
       out bf16 [..., C, 16, 128] and the final state f32 [..., 128, 128]; with checkpoint_chunks
@@ -325,8 +331,8 @@ def kda_prefill_reference_fp32(q, k, v, g, beta, A_log, dt_bias, *, scale, lower
       A_log: f32 [H]. dt_bias: f32 [H, 128]. scale, lower_bound: Python floats.
       initial_state: [N, H, 128, 128] (state[n, h, v, k]): f32 is read without rounding, bf16 is
         widened; None means zeros.
-      cu_seqlens: None (each batch row is one sequence, N = B) or int32 [N+1] with B == 1; values may
-        be traced, and are clamped as in the bf16 mode.
+      cu_seqlens: None (each batch row is one sequence, N = B) or int32 [N+1] with B == 1; values
+        may be traced, and are clamped as in the bf16 mode.
       inverse: only "stable" (fp32 mode has a single f32 inverse; the argument exists so both modes
         share a signature).
       checkpoint_every, checkpoint_offsets, checkpoint_rows: as reference.kda_prefill_reference.
@@ -336,7 +342,8 @@ def kda_prefill_reference_fp32(q, k, v, g, beta, A_log, dt_bias, *, scale, lower
       A caller that wants bf16 states rounds these once.
     """
     if inverse not in INVERSE_VARIANTS_FP32:
-        raise ValueError(f"fp32 numerics support inverse in {INVERSE_VARIANTS_FP32}, got {inverse!r}")
+        raise ValueError(
+            f"fp32 numerics support inverse in {INVERSE_VARIANTS_FP32}, got {inverse!r}")
     B, T, H, D = q.shape
     if D != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got {D}")

@@ -1,9 +1,11 @@
-"""Every trace-time error path of kda_prefill: bad input must fail with a message naming the argument."""
+"""Every trace-time error path of kda_prefill: bad input must fail with a message naming the
+argument."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import make_inputs
 
 import jax_kda
 
@@ -11,18 +13,7 @@ B, T, H = 2, 20, 3
 
 
 def make_args(b=B, t=T, h=H, seed=0):
-    rng = np.random.default_rng(seed)
-
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-
-    return {
-        "q": bf16(b, t, h, 128), "k": bf16(b, t, h, 128), "v": bf16(b, t, h, 128),
-        "g": bf16(b, t, h, 128),
-        "beta": bf16(b, t, h),
-        "A_log": jnp.asarray(rng.uniform(-2, 1, h), jnp.float32),
-        "dt_bias": jnp.asarray(rng.standard_normal((h, 128)), jnp.float32),
-    }
+    return make_inputs(np.random.default_rng(seed), b, t, h)
 
 
 def call(args, **kw):
@@ -65,14 +56,16 @@ def test_q_wrong_rank():
 def test_mismatched_tokens(name):
     args = make_args()
     args[name] = args[name][:, :-1]
-    with pytest.raises(ValueError, match=rf"{name} must have shape .*\(2, 20, 3, 128\), got \(2, 19, 3, 128\)"):
+    with pytest.raises(ValueError,
+                       match=rf"{name} must have shape .*\(2, 20, 3, 128\), got \(2, 19, 3, 128\)"):
         call(args)
 
 
 def test_mismatched_heads_in_beta():
     args = make_args()
     args["beta"] = args["beta"][..., :2]
-    with pytest.raises(ValueError, match=r"beta must have shape \[B, T, H\] = \(2, 20, 3\), got \(2, 20, 2\)"):
+    with pytest.raises(ValueError,
+                       match=r"beta must have shape \[B, T, H\] = \(2, 20, 3\), got \(2, 20, 2\)"):
         call(args)
 
 
@@ -93,7 +86,8 @@ def test_not_an_array():
         call(args)
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 128, 128), (2, 3, 128), (1, 3, 128, 128), (2, 3, 64, 128)])
+@pytest.mark.parametrize("shape",
+                         [(2, 4, 128, 128), (2, 3, 128), (1, 3, 128, 128), (2, 3, 64, 128)])
 def test_initial_state_wrong_shape(shape):
     args = make_args()
     with pytest.raises(ValueError, match=r"initial_state must have shape \[N, H, 128, 128\]"):
@@ -102,14 +96,16 @@ def test_initial_state_wrong_shape(shape):
 
 def test_initial_state_wrong_dtype():
     args = make_args()
-    with pytest.raises(TypeError, match="initial_state must have dtype bfloat16 or float32, got float16"):
+    with pytest.raises(TypeError,
+                       match="initial_state must have dtype bfloat16 or float32, got float16"):
         call(args, initial_state=jnp.zeros((B, H, 128, 128), jnp.float16))
 
 
 def test_state_count_must_match_cu_seqlens():
     args = make_args(b=1)
     cu = jnp.array([0, 5, 20], jnp.int32)  # N = 2
-    with pytest.raises(ValueError, match=r"initial_state must have shape .*\(2, 3, 128, 128\), got \(3, 3, 128, 128\)"):
+    with pytest.raises(ValueError, match=r"initial_state must have shape .*\(2, 3, 128, 128\), "
+                                         r"got \(3, 3, 128, 128\)"):
         call(args, cu_seqlens=cu, initial_state=jnp.zeros((3, H, 128, 128), jnp.float32))
 
 
@@ -136,7 +132,8 @@ def test_cu_seqlens_rank_and_length(value):
 @pytest.mark.parametrize("values", [[1, 20], [0, 19], [0, 12, 5, 20], [0, 21]])
 def test_concrete_cu_seqlens_values_checked(values):
     args = make_args(b=1)
-    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing, start at 0 and end at T = 20"):
+    with pytest.raises(ValueError,
+                       match="cu_seqlens must be non-decreasing, start at 0 and end at T = 20"):
         call(args, cu_seqlens=jnp.array(values, jnp.int32))
 
 

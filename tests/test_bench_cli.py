@@ -231,8 +231,9 @@ def test_a_run_without_out_writes_nothing_into_the_current_folder(tmp_path):
     cmd = [sys.executable, "-m", "jax_kda.bench", "--seqlen", "16", "--heads", "1",
            "--variants", "reference", "--repeats", "1", "--warmup", "0", "--tag", "t",
            "--no-progress"]
-    done = subprocess.run(cmd, cwd=cwd, env=_bench_env(XDG_CACHE_HOME=cache, HOME=tmp_path / "home"),
-                          capture_output=True, text=True, timeout=600, check=False)
+    env = _bench_env(XDG_CACHE_HOME=cache, HOME=tmp_path / "home")
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert list(cwd.iterdir()) == []
     folder = cache / "jax_kda" / "bench"

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import assert_bits, make_inputs, random_states
 
 import jax_kda
 from jax_kda import api
@@ -27,25 +28,15 @@ B, T, H = 1, 20, 2
 
 
 def make_args(seed=0, b=B, t=T, h=H, state_dtype=jnp.bfloat16):
+    """(kda_prefill's positional arrays, an initial state)."""
     rng = np.random.default_rng(seed)
-
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-
-    args = (bf16(b, t, h, 128), bf16(b, t, h, 128), bf16(b, t, h, 128), bf16(b, t, h, 128),
-            bf16(b, t, h), jnp.asarray(rng.uniform(-1.5, 1.0, h), jnp.float32),
-            jnp.asarray(rng.standard_normal((h, 128)), jnp.float32))
-    return args, jnp.asarray(rng.standard_normal((b, h, 128, 128)), state_dtype)
+    args = tuple(make_inputs(rng, b, t, h).values())
+    return args, random_states(rng, b, h, state_dtype, scale=1.0)
 
 
 def prefill(backend, donate):
     fn = partial(jax_kda.kda_prefill, output_final_state=True, backend=backend)
     return jax.jit(fn, donate_argnames="initial_state" if donate else ())
-
-
-def assert_bitwise(got, want):
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 # ------------------------------------------------------------------------------------ CPU
@@ -73,7 +64,7 @@ def test_donation_on_cpu_reference_path(state_dtype):
         got = prefill("reference", donate=True)(*args, initial_state=donated)
     assert donated.is_deleted()
     assert got[1].dtype == state_dtype
-    assert_bitwise(got, want)
+    assert_bits(got, want)
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -93,7 +84,7 @@ def test_gpu_donated_state_becomes_final_state(state_dtype, kernel_gpus):
         warnings.simplefilter("error")
         got = fn(*args, initial_state=donated)
     assert donated.is_deleted()
-    assert_bitwise(got, want)
+    assert_bits(got, want)
     if state_dtype == jnp.bfloat16:  # written in place: the state pool needs no second buffer
         assert got[1].unsafe_buffer_pointer() == pointer
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export as jax_export
+from kda_testing import make_inputs, random_states
 
 import jax_kda
 from jax_kda import _ffi
@@ -16,15 +17,9 @@ B, T, H = 2, 19, 2
 
 
 def make_args(seed=0, t=T, h=H):
+    """model's positional arrays: kda_prefill's, then an f32 initial state."""
     rng = np.random.default_rng(seed)
-
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-
-    return (bf16(B, t, h, 128), bf16(B, t, h, 128), bf16(B, t, h, 128), bf16(B, t, h, 128),
-            bf16(B, t, h), jnp.asarray(rng.uniform(-1.5, 1.0, h), jnp.float32),
-            jnp.asarray(rng.standard_normal((h, 128)), jnp.float32),
-            jnp.asarray(rng.standard_normal((B, h, 128, 128)), jnp.float32))
+    return (*make_inputs(rng, B, t, h).values(), random_states(rng, B, h, scale=1.0))
 
 
 def model(q, k, v, g, beta, A_log, dt_bias, state, backend="auto", **options):

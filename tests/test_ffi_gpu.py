@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import assert_bits, make_inputs, random_states
 
 from jax_kda import _ffi, contract
 
@@ -25,17 +26,12 @@ T, H, N = 70, 3, 2  # T not a multiple of 16, two sequences
 
 
 def _inputs(seed=0, total=T, heads=H, cu=(0, 30, T)):
-    keys = jax.random.split(jax.random.key(seed), 8)
-    bf = jnp.bfloat16
-    q = jax.random.normal(keys[0], (total, heads, 128), bf)
-    k = jax.random.normal(keys[1], (total, heads, 128), bf) * 0.1
-    v = jax.random.normal(keys[2], (total, heads, 128), bf)
-    g = jax.random.normal(keys[3], (total, heads, 128), bf)
-    beta = jax.random.normal(keys[4], (total, heads), bf)
-    a_log = jax.random.normal(keys[5], (heads,), jnp.float32)
-    dt_bias = jax.random.normal(keys[6], (heads, 128), jnp.float32)
-    state0 = (jax.random.normal(keys[7], (len(cu) - 1, heads, 128, 128), jnp.float32) * 0.1).astype(bf)
-    return q, k, v, g, beta, a_log, dt_bias, jnp.asarray(cu, jnp.int32), state0
+    """The FFI calls' operands: packed tokens [total, heads, ...], cu_seqlens, bf16 states."""
+    rng = np.random.default_rng(seed)
+    a = make_inputs(rng, 1, total, heads)
+    state0 = random_states(rng, len(cu) - 1, heads, jnp.bfloat16)
+    return (*(a[name][0] for name in ("q", "k", "v", "g", "beta")), a["A_log"], a["dt_bias"],
+            jnp.asarray(cu, jnp.int32), state0)
 
 
 SPLIT_32 = 32  # a launch: value columns per CTA of the column split
@@ -54,8 +50,7 @@ def test_kernels_run_and_are_deterministic():
     out2, st2 = f(*args)
     assert bool(jnp.isfinite(out1.astype(jnp.float32)).all())
     assert bool(jnp.isfinite(st1.astype(jnp.float32)).all())
-    np.testing.assert_array_equal(np.asarray(out1.view(jnp.uint16)), np.asarray(out2.view(jnp.uint16)))
-    np.testing.assert_array_equal(np.asarray(st1.view(jnp.uint16)), np.asarray(st2.view(jnp.uint16)))
+    assert_bits((out1, st1), (out2, st2))
 
 
 LAUNCHES = [*contract.COLUMN_SPLITS, "baseline"]
@@ -74,27 +69,35 @@ def test_donated_state_gives_the_same_result():
     args = _inputs()
     expected = jax.jit(_run)(*args)
     donated = jax.jit(_run, donate_argnums=(8,))(*args[:8], jnp.array(args[8]))
-    for a, b in zip(expected, donated):
-        np.testing.assert_array_equal(np.asarray(a.view(jnp.uint16)), np.asarray(b.view(jnp.uint16)))
+    assert_bits(donated, expected)
+
+
+def _recurrence_ffi_call(v, state0):
+    """The recurrence custom call without the Python wrapper's checks."""
+    return jax.ffi.ffi_call(contract.RECURRENCE_TARGET,
+                            (jax.ShapeDtypeStruct(v.shape, v.dtype),
+                             jax.ShapeDtypeStruct(state0.shape, state0.dtype)))
 
 
 def test_handler_shape_errors_reach_python():
     """Bypass the Python wrapper's checks: the C++ handler must refuse a wrong workspace."""
     _, _, v, _, beta, _, _, cu, state0 = _inputs()
     bad_ws = jnp.zeros((H, 3, contract.RECORD_BYTES), jnp.uint8)  # needs ceil(70/16) + 2 = 7 slots
-    call = jax.ffi.ffi_call(contract.RECURRENCE_TARGET, (jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                                         jax.ShapeDtypeStruct(state0.shape, state0.dtype)))
-    with pytest.raises(Exception, match=r"jax_kda: recurrence: operand workspace has shape \[3, 3, 13824\], expected \[3, 7, 13824\]"):
-        jax.block_until_ready(jax.jit(lambda *a: call(*a, block_v=np.int32(32)))(v, beta, bad_ws, cu, state0))
+    call = _recurrence_ffi_call(v, state0)
+    with pytest.raises(Exception, match=r"jax_kda: recurrence: operand workspace has shape "
+                                        r"\[3, 3, 13824\], expected \[3, 7, 13824\]"):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, block_v=np.int32(32)))(
+            v, beta, bad_ws, cu, state0))
 
 
 def test_handler_attribute_errors_reach_python():
     _, _, v, _, beta, _, _, cu, state0 = _inputs()
     ws = jnp.zeros((H, 7, contract.RECORD_BYTES), jnp.uint8)
-    call = jax.ffi.ffi_call(contract.RECURRENCE_TARGET, (jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                                         jax.ShapeDtypeStruct(state0.shape, state0.dtype)))
-    with pytest.raises(Exception, match=r"block_v must be 0 \(baseline kernel\) or one of 16, 32, 64, 128 \(column split\), got 48"):
-        jax.block_until_ready(jax.jit(lambda *a: call(*a, block_v=np.int32(48)))(v, beta, ws, cu, state0))
+    call = _recurrence_ffi_call(v, state0)
+    with pytest.raises(Exception, match=r"block_v must be 0 \(baseline kernel\) or one of "
+                                        r"16, 32, 64, 128 \(column split\), got 48"):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, block_v=np.int32(48)))(
+            v, beta, ws, cu, state0))
 
 
 @pytest.mark.skipif(len(_ffi.kernel_gpus()) < 2, reason="needs two GPUs")
@@ -102,8 +105,7 @@ def test_second_device_gets_its_own_modules():
     args = _inputs()
     on0 = jax.jit(_run)(*jax.device_put(args, _ffi.kernel_gpus()[0]))
     on1 = jax.jit(_run)(*jax.device_put(args, _ffi.kernel_gpus()[1]))
-    for a, b in zip(on0, on1):
-        np.testing.assert_array_equal(np.asarray(a.view(jnp.uint16)), np.asarray(b.view(jnp.uint16)))
+    assert_bits(on1, on0)
 
 
 _GRAPH_SCRIPT = textwrap.dedent("""
@@ -123,8 +125,9 @@ def test_cuda_graph_capture_gives_identical_bits(tmp_path):
     for name, flags in (("plain", "--xla_gpu_enable_command_buffer="), ("graph", graph_flags)):
         env = dict(os.environ, XLA_FLAGS=flags)
         out = tmp_path / f"{name}.npz"
-        done = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, os.path.dirname(__file__), str(out)],
-                              env=env, capture_output=True, text=True, timeout=300, check=False)
+        command = [sys.executable, "-c", _GRAPH_SCRIPT, os.path.dirname(__file__), str(out)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
+                              check=False)
         assert done.returncode == 0, done.stderr[-3000:]
         results[name] = np.load(out)
     for key in results["plain"].files:

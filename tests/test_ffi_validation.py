@@ -26,7 +26,8 @@ ATTR_SCALAR, ARG_BUFFER, STAGE_EXECUTE = 3, 1, 3
 
 class Buffer(ctypes.Structure):
     _fields_ = [("struct_size", c_size), ("ext", c_void), ("dtype", ctypes.c_int),
-                ("data", c_void), ("rank", ctypes.c_int64), ("dims", ctypes.POINTER(ctypes.c_int64))]
+                ("data", c_void), ("rank", ctypes.c_int64),
+                ("dims", ctypes.POINTER(ctypes.c_int64))]
 
 
 class Span(ctypes.Structure):
@@ -44,12 +45,13 @@ class List(ctypes.Structure):  # XLA_FFI_Args and XLA_FFI_Rets
 
 class Attrs(ctypes.Structure):
     _fields_ = [("struct_size", c_size), ("ext", c_void), ("size", ctypes.c_int64),
-                ("types", ctypes.POINTER(ctypes.c_int)), ("names", ctypes.POINTER(ctypes.POINTER(Span))),
-                ("attrs", ctypes.POINTER(c_void))]
+                ("types", ctypes.POINTER(ctypes.c_int)),
+                ("names", ctypes.POINTER(ctypes.POINTER(Span))), ("attrs", ctypes.POINTER(c_void))]
 
 
 class ApiVersion(ctypes.Structure):
-    _fields_ = [("struct_size", c_size), ("ext", c_void), ("major", ctypes.c_int), ("minor", ctypes.c_int)]
+    _fields_ = [("struct_size", c_size), ("ext", c_void), ("major", ctypes.c_int),
+                ("minor", ctypes.c_int)]
 
 
 class Api(ctypes.Structure):
@@ -58,12 +60,14 @@ class Api(ctypes.Structure):
 
 
 class CallFrame(ctypes.Structure):
-    _fields_ = [("struct_size", c_size), ("ext", c_void), ("api", ctypes.POINTER(Api)), ("ctx", c_void),
-                ("stage", ctypes.c_int), ("args", List), ("rets", List), ("attrs", Attrs), ("future", c_void)]
+    _fields_ = [("struct_size", c_size), ("ext", c_void), ("api", ctypes.POINTER(Api)),
+                ("ctx", c_void), ("stage", ctypes.c_int), ("args", List), ("rets", List),
+                ("attrs", Attrs), ("future", c_void)]
 
 
 class ErrorCreateArgs(ctypes.Structure):
-    _fields_ = [("struct_size", c_size), ("ext", c_void), ("message", ctypes.c_char_p), ("errc", ctypes.c_int)]
+    _fields_ = [("struct_size", c_size), ("ext", c_void), ("message", ctypes.c_char_p),
+                ("errc", ctypes.c_int)]
 
 
 class StreamGetArgs(ctypes.Structure):
@@ -78,7 +82,8 @@ _STREAM_GET = ctypes.CFUNCTYPE(c_void, ctypes.POINTER(StreamGetArgs))(
 
 
 def _api() -> Api:
-    api = Api(struct_size=ctypes.sizeof(Api), version=ApiVersion(ctypes.sizeof(ApiVersion), None, 0, 4))
+    api = Api(struct_size=ctypes.sizeof(Api),
+              version=ApiVersion(ctypes.sizeof(ApiVersion), None, 0, 4))
     api.functions[0] = ctypes.cast(_ERROR_CREATE, c_void).value  # XLA_FFI_Error_Create
     api.functions[4] = ctypes.cast(_STREAM_GET, c_void).value  # XLA_FFI_Stream_Get
     return api
@@ -125,7 +130,8 @@ def _call(symbol, args, rets, attrs) -> str | None:
                       args=_list([_buffer(*a, keep) for a in args], keep),
                       rets=_list([_buffer(*r, keep) for r in rets], keep),
                       attrs=_attrs(attrs, keep))
-    frame.struct_size = CallFrame.attrs.offset + ctypes.sizeof(Attrs)  # XLA_FFI_CallFrame_STRUCT_SIZE
+    # XLA_FFI_CallFrame_STRUCT_SIZE
+    frame.struct_size = CallFrame.attrs.offset + ctypes.sizeof(Attrs)
     handler = getattr(ctypes.CDLL(str(_ffi.library_path())), symbol)
     handler.restype = c_void
     _errors.clear()
@@ -148,26 +154,34 @@ S = -(-T // 16) + N
 def recurrence(v=(BF16, (T, H, 128)), beta=(BF16, (T, H)), ws=(U8, (H, S, 13824)),
                cu=(S32, (N + 1,)), s0=(BF16, (N, H, 128, 128)), out=(BF16, (T, H, 128)),
                st=(BF16, (N, H, 128, 128)), block_v=(32, S32)):
-    return _call("JaxKdaRecurrenceV1Execute", [v, beta, ws, cu, s0], [out, st], {"block_v": block_v})
+    return _call("JaxKdaRecurrenceV1Execute", [v, beta, ws, cu, s0], [out, st],
+                 {"block_v": block_v})
 
 
-def prepare(q=(BF16, (T, H, 128)), k=(BF16, (T, H, 128)), g=(BF16, (T, H, 128)), beta=(BF16, (T, H)),
-            a_log=(F32, (H,)), dt_bias=(F32, (H, 128)), cu=(S32, (N + 1,)), ws=(U8, (H, S, 13824)),
+def prepare(q=(BF16, (T, H, 128)), k=(BF16, (T, H, 128)), g=(BF16, (T, H, 128)),
+            beta=(BF16, (T, H)), a_log=(F32, (H,)), dt_bias=(F32, (H, 128)), cu=(S32, (N + 1,)),
+            ws=(U8, (H, S, 13824)),
             scale=(0.088, F32), lower_bound=(-5.0, F32), inverse=(0, S32)):
     return _call("JaxKdaPrepareV1Execute", [q, k, g, beta, a_log, dt_bias, cu], [ws],
                  {"scale": scale, "lower_bound": lower_bound, "inverse": inverse})
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"ws": (U8, (H, S - 1, 13824))}, f"recurrence: operand workspace has shape [2, {S - 1}, 13824], expected [2, {S}, 13824]"),
+    ({"ws": (U8, (H, S - 1, 13824))},
+     f"recurrence: operand workspace has shape [2, {S - 1}, 13824], expected [2, {S}, 13824]"),
     ({"beta": (BF16, (T, H + 1))}, "recurrence: operand beta has shape [40, 3], expected [40, 2]"),
-    ({"s0": (BF16, (N + 1, H, 128, 128))}, "operand initial_state has shape [3, 2, 128, 128], expected [2, 2, 128, 128]"),
-    ({"out": (BF16, (T, H, 64))}, "operand out (result) has shape [40, 2, 64], expected [40, 2, 128]"),
+    ({"s0": (BF16, (N + 1, H, 128, 128))},
+     "operand initial_state has shape [3, 2, 128, 128], expected [2, 2, 128, 128]"),
+    ({"out": (BF16, (T, H, 64))},
+     "operand out (result) has shape [40, 2, 64], expected [40, 2, 128]"),
     ({"st": (BF16, (N, H, 128, 64))}, "operand final_state (result) has shape"),
-    ({"v": (BF16, (T, H, 64))}, "expected [T_total, H, 128] for the token operands, got [40, 2, 64]"),
+    ({"v": (BF16, (T, H, 64))},
+     "expected [T_total, H, 128] for the token operands, got [40, 2, 64]"),
     ({"cu": (S32, (1,))}, "cu_seqlens must be int32 [N+1] with N >= 1"),
-    ({"block_v": i32(48)}, "block_v must be 0 (baseline kernel) or one of 16, 32, 64, 128 (column split), got 48"),
-    ({"block_v": i32(7)}, "block_v must be 0 (baseline kernel) or one of 16, 32, 64, 128 (column split), got 7"),
+    ({"block_v": i32(48)},
+     "block_v must be 0 (baseline kernel) or one of 16, 32, 64, 128 (column split), got 48"),
+    ({"block_v": i32(7)},
+     "block_v must be 0 (baseline kernel) or one of 16, 32, 64, 128 (column split), got 7"),
     ({"block_v": i32(-1)}, "got -1"),
 ])
 def test_recurrence_rejects(change, message):
@@ -176,7 +190,8 @@ def test_recurrence_rejects(change, message):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"k": (BF16, (T + 1, H, 128))}, "prepare: operand k has shape [41, 2, 128], expected [40, 2, 128]"),
+    ({"k": (BF16, (T + 1, H, 128))},
+     "prepare: operand k has shape [41, 2, 128], expected [40, 2, 128]"),
     ({"a_log": (F32, (H + 1,))}, "operand A_log has shape [3], expected [2]"),
     ({"dt_bias": (F32, (H,))}, "operand dt_bias has shape [2], expected [2, 128]"),
     ({"ws": (U8, (H, S + 1, 13824))}, "operand workspace (result) has shape"),
@@ -215,7 +230,8 @@ def test_misaligned_operand_is_refused():
     bufs = [_buffer(a[0], a[1], keep, a[2] if len(a) > 2 else 0) for a in args]
     api = _api()
     frame = CallFrame(api=ctypes.pointer(api), stage=STAGE_EXECUTE, args=_list(bufs, keep),
-                      rets=_list([_buffer(BF16, (T, H, 128), keep), _buffer(BF16, (N, H, 128, 128), keep)], keep),
+                      rets=_list([_buffer(BF16, (T, H, 128), keep),
+                                  _buffer(BF16, (N, H, 128, 128), keep)], keep),
                       attrs=_attrs({"block_v": i32(32)}, keep))
     frame.struct_size = CallFrame.attrs.offset + ctypes.sizeof(Attrs)
     handler = ctypes.CDLL(str(_ffi.library_path())).JaxKdaRecurrenceV1Execute

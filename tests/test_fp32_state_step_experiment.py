@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import make_inputs
 
 from jax_kda import oracle
 from jax_kda import reference_fp32 as r32
-from jax_kda.bench import regimes
 
 sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")]
 
@@ -26,7 +26,7 @@ import fp32_state_step_experiment as exp
 @pytest.mark.parametrize("regime", ["fla", "slow"])
 def test_the_32_token_step_is_the_recurrence_at_the_16_token_steps_accuracy(regime, form):
     rng = np.random.default_rng(7)
-    a = regimes.make_inputs(rng, 128, 2, regime, "normal")
+    a = make_inputs(rng, 1, 128, 2, regime=regime)
     want_out, want_state = oracle.kda_prefill_oracle(
         **{n: np.asarray(x.astype(jnp.float32)) for n, x in a.items()}, lower_bound=exp.LOWER_BOUND)
     out_16, state_16 = jax.jit(lambda a: r32.kda_prefill_reference_fp32(
@@ -47,7 +47,7 @@ def test_dropping_the_cross_chunk_correction_is_caught(monkeypatch, form):
     """Without A_ba . U_a (P_b then ignores chunk a's update) the error is far off: the test above
     can fail."""
     rng = np.random.default_rng(8)
-    a = regimes.make_inputs(rng, 128, 1, "slow", "normal")
+    a = make_inputs(rng, 1, 128, 1, regime="slow")
     want_out, _ = oracle.kda_prefill_oracle(
         **{n: np.asarray(x.astype(jnp.float32)) for n, x in a.items()}, lower_bound=exp.LOWER_BOUND)
     real = exp._pair_workspace

@@ -24,30 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import bits, make_inputs, random_states
 
 import jax_kda
 from jax_kda import _ffi, contract, oracle, reference_fp32
-from jax_kda.bench import regimes
 from jax_kda.kernels import workspace_layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_gpus")]
 
 SCALE, LOWER = 128**-0.5, -5.0
 FP32 = {"numerics": "fp32"}
-
-
-def make_inputs(rng, B, T, H, *, law="normal", regime="fla"):
-    """q, k, v by `law`, gates by `regime` (jax_kda.bench.regimes, docs/fp32_mode.md section 4)."""
-    return regimes.make_inputs(rng, T, H, regime, law, B=B)
-
-
-def random_state(rng, N, H, dtype=jnp.float32, scale=0.1):
-    return jnp.asarray(rng.standard_normal((N, H, 128, 128)) * scale, dtype)
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
 def compare(name, got, want):
@@ -81,17 +67,18 @@ CASES = [  # (B, T, H, cu_seqlens or None)
 
 
 @pytest.mark.parametrize("init_dtype", [None, jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}{'varlen' if c[3] else ''}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}{'varlen' if c[3] else ''}")
 def test_kernel_matches_fp32_reference(case, init_dtype):
     B, T, H, cu = case
     rng = np.random.default_rng()
-    args = make_inputs(rng, B, T, H)
+    args = make_inputs(rng, B, T, H, regime="fla")
     N = B if cu is None else len(cu) - 1
     arrays = {}
     if cu is not None:
         arrays["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
     if init_dtype is not None:
-        arrays["initial_state"] = random_state(rng, N, H, init_dtype)
+        arrays["initial_state"] = random_states(rng, N, H, init_dtype)
     (out_k, st_k), (out_r, st_r) = run_both(args, **arrays)
     assert out_k.dtype == jnp.bfloat16 and st_k.dtype == st_r.dtype == (init_dtype or jnp.float32)
     rel, equal = compare("out", out_k, out_r)
@@ -104,7 +91,7 @@ def test_prepare_record_matches_reference():
     rng = np.random.default_rng()
     T, H = 77, 2
     cu = np.array([0, 20, 21, 77], np.int32)
-    a = make_inputs(rng, 1, T, H)
+    a = make_inputs(rng, 1, T, H, regime="fla")
     flat = {k: v[0] for k, v in a.items() if k in ("q", "k", "g", "beta")}
     ws = jax.jit(lambda f: _ffi.prepare_call(
         f["q"], f["k"], f["g"], f["beta"], a["A_log"], a["dt_bias"], jnp.asarray(cu),
@@ -155,7 +142,7 @@ def test_every_column_split_is_bitwise_identical_and_repeatable(shape):
     args = make_inputs(rng, B, T, H, regime="keep32")
     N = B if cu is None else len(cu) - 1
     kw = dict(output_final_state=True, backend="kernel", numerics="fp32",
-              initial_state=random_state(rng, N, H))
+              initial_state=random_states(rng, N, H))
     if cu is not None:
         kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
     run = {bv: jax.jit(lambda a, bv=bv: jax_kda.kda_prefill(**a, recurrence=bv, **kw))
@@ -174,8 +161,8 @@ def test_packed_equals_each_sequence_alone_and_empty_keeps_its_state():
     rng = np.random.default_rng()
     lens = [33, 1, 0, 160, 7]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    a = make_inputs(rng, 1, int(cu[-1]), 4)
-    state0 = random_state(rng, len(lens), 4)
+    a = make_inputs(rng, 1, int(cu[-1]), 4, regime="fla")
+    state0 = random_states(rng, len(lens), 4)
     run = jax.jit(lambda x, s, c: jax_kda.kda_prefill(
         **x, cu_seqlens=c, initial_state=s, output_final_state=True, backend="kernel", **FP32))
     out, st = run(a, state0, jnp.asarray(cu))
@@ -191,8 +178,8 @@ def test_packed_equals_each_sequence_alone_and_empty_keeps_its_state():
 
 def test_pool_and_decode_are_the_prefill_on_the_rows():
     rng = np.random.default_rng()
-    a = make_inputs(rng, 3, 9, 2)
-    pool = random_state(rng, 5, 2)
+    a = make_inputs(rng, 3, 9, 2, regime="fla")
+    pool = random_states(rng, 5, 2)
     idx = jnp.asarray([4, -1, 0], jnp.int32)
     rows = pool[jnp.asarray([4, 0, 0])]
     want_out, want_final = prefill("kernel")(a, {"initial_state": rows})
@@ -218,8 +205,8 @@ def test_decode_intermediate_states_are_prefix_prefills_bitwise(t, dtype):
     kda_decode without them; the padding slot's out and states are zero."""
     rng = np.random.default_rng()
     H = 2
-    a = make_inputs(rng, 3, t, H)
-    pool = random_state(rng, 4, H, dtype)
+    a = make_inputs(rng, 3, t, H, regime="fla")
+    pool = random_states(rng, 4, H, dtype)
     idx = jnp.asarray([3, -1, 1], jnp.int32)
     decode = jax.jit(lambda a, p, states: jax_kda.kda_decode(
         **a, state=p, state_indices=idx, backend="kernel", output_intermediate_states=states,
@@ -242,7 +229,7 @@ def test_decode_intermediate_states_are_prefix_prefills_bitwise(t, dtype):
 
 def test_vmap_folds_into_one_call_with_the_same_bits():
     rng = np.random.default_rng()
-    stacked = [make_inputs(rng, 2, 50, 2) for _ in range(3)]
+    stacked = [make_inputs(rng, 2, 50, 2, regime="fla") for _ in range(3)]
     batch = jax.tree.map(lambda *x: jnp.stack(x), *stacked)
     f = lambda a: jax_kda.kda_prefill(**a, backend="kernel", output_final_state=True, **FP32)
     outs, states = jax.jit(jax.vmap(f))(batch)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import bits, make_inputs, random_states
 
 import jax_kda
 from jax_kda import _ffi, contract, oracle, reference
@@ -34,28 +35,6 @@ BLOCK_VS = contract.COLUMN_SPLITS
 def kernel_choice(recurrence) -> dict:
     """kda_prefill options for a column split width (int) or "baseline"."""
     return {"recurrence": recurrence}
-
-
-def make_inputs(rng, B, T, H, *, g_scale=1.0, state=None, state_scale=0.1):
-    def bf16(*shape, scale=1.0):
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * scale, jnp.bfloat16)
-
-    args = dict(
-        q=bf16(B, T, H, 128), k=bf16(B, T, H, 128), v=bf16(B, T, H, 128),
-        g=bf16(B, T, H, 128, scale=g_scale), beta=bf16(B, T, H),
-        A_log=jnp.asarray(rng.uniform(-2.0, 1.0, H), jnp.float32),
-        dt_bias=jnp.asarray(rng.standard_normal((H, 128)), jnp.float32),
-    )
-    return args
-
-
-def random_state(rng, N, H, dtype, scale=0.1):
-    return jnp.asarray(rng.standard_normal((N, H, 128, 128), dtype=np.float32) * scale, dtype)
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
 
 
 def compare(name, got, want):
@@ -96,7 +75,8 @@ CASES = [  # (B, T, H, cu_seqlens or None)
 
 @pytest.mark.parametrize("inverse", ["stable", "neumann"])
 @pytest.mark.parametrize("init_dtype", [None, jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}{'varlen' if c[3] else ''}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}{'varlen' if c[3] else ''}")
 def test_kernel_matches_reference(case, init_dtype, inverse):
     check_against_reference(case, init_dtype, inverse)
 
@@ -116,7 +96,7 @@ def check_against_reference(case, init_dtype, inverse, options=None):
     if cu is not None:
         arrays["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
     if init_dtype is not None:
-        arrays["initial_state"] = random_state(rng, N, H, init_dtype)
+        arrays["initial_state"] = random_states(rng, N, H, init_dtype)
     (out_k, st_k), (out_r, st_r) = run_both(args, inverse=inverse, options=options, **arrays)
     assert out_k.dtype == out_r.dtype == jnp.bfloat16
     assert st_k.dtype == st_r.dtype == (init_dtype or jnp.bfloat16)
@@ -185,14 +165,15 @@ def _shapes_for_bitwise():
     return shapes
 
 
-@pytest.mark.parametrize("shape", _shapes_for_bitwise(), ids=lambda s: f"B{s[0]}T{s[1]}H{s[2]}{'v' if s[3] else ''}")
+@pytest.mark.parametrize("shape", _shapes_for_bitwise(),
+                         ids=lambda s: f"B{s[0]}T{s[1]}H{s[2]}{'v' if s[3] else ''}")
 def test_every_column_split_and_the_baseline_are_bitwise_identical(shape):
     B, T, H, cu = shape
     rng = np.random.default_rng()
     args = make_inputs(rng, B, T, H)
     N = B if cu is None else len(cu) - 1
     kw = dict(output_final_state=True, backend="kernel",
-              initial_state=random_state(rng, N, H, jnp.float32 if T % 2 else jnp.bfloat16),
+              initial_state=random_states(rng, N, H, jnp.float32 if T % 2 else jnp.bfloat16),
               inverse="neumann" if H == 6 else "stable")
     if cu is not None:
         kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
@@ -207,27 +188,21 @@ def test_every_column_split_and_the_baseline_are_bitwise_identical(shape):
         np.testing.assert_array_equal(bits(state), bits(base_state), err_msg=f"state, {r} vs 128")
 
 
-@pytest.mark.parametrize("g_value", [-8.0, -4.0, 0.0, 8.0, "uniform", "normal"])
-def test_kernel_vs_f64_oracle(g_value):
-    """FlashKDA's protocol: q, k, v ~ U(0, 1). (With N(0, 1) inputs the contract's own bf16 roundings
-    cost 0.005-0.007 relative RMSE, kernel and reference alike: see tests/test_reference.py.)"""
+@pytest.mark.parametrize("g_law", ["-8", "-4", "0", "8", "U(-8,8)", "N(0,8)"])
+def test_kernel_vs_f64_oracle(g_law):
+    """FlashKDA's protocol: q, k, v ~ U(0, 1). (With N(0, 1) inputs the contract's own bf16
+    roundings cost 0.005-0.007 relative RMSE, kernel and reference alike: see
+    tests/test_reference.py.)"""
     rng = np.random.default_rng()
     T, H = 300, 2
-    a = make_inputs(rng, 1, T, H)
-    for name in ("q", "k", "v"):
-        a[name] = jnp.asarray(rng.uniform(0, 1, a[name].shape), jnp.bfloat16)
-    if isinstance(g_value, float):
-        a["g"] = jnp.full_like(a["g"], g_value)
-    elif g_value == "uniform":
-        a["g"] = jnp.asarray(rng.uniform(-8, 8, a["g"].shape), jnp.bfloat16)
-    else:
-        a["g"] = jnp.asarray(rng.normal(0, 8, a["g"].shape), jnp.bfloat16)
-    a["dt_bias"] = jnp.asarray(rng.choice([-8.0, -4.0, 4.0, 8.0]) + 0 * a["dt_bias"], jnp.float32)
+    a = make_inputs(rng, 1, T, H, regime=(g_law, "0"), law="uniform")
+    a["dt_bias"] = jnp.full_like(a["dt_bias"], rng.choice([-8.0, -4.0, 4.0, 8.0]))  # one for all
     out, _ = jax.jit(lambda x: jax_kda.kda_prefill(**x, backend="kernel"))(a)
-    want, _ = oracle.kda_prefill_oracle(**{k: np.asarray(v.astype(jnp.float32)) for k, v in a.items()})
+    want, _ = oracle.kda_prefill_oracle(
+        **{k: np.asarray(v.astype(jnp.float32)) for k, v in a.items()})
     got = np.asarray(out.astype(jnp.float32), np.float64)
     rel = float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
-    print(f"\n  g={g_value}: kernel vs f64 oracle rel RMSE {rel:.2e}")
+    print(f"\n  g={g_law}: kernel vs f64 oracle rel RMSE {rel:.2e}")
     assert rel <= 5e-3
 
 
@@ -235,7 +210,8 @@ def test_near_collinear_keys_stay_finite_with_stable_inverse():
     rng = np.random.default_rng()
     a = make_inputs(rng, 1, 64, 2)
     a["k"] = jnp.broadcast_to(a["k"][:, :1], a["k"].shape)  # every token the same key
-    out, st = jax.jit(lambda x: jax_kda.kda_prefill(**x, backend="kernel", output_final_state=True))(a)
+    out, st = jax.jit(lambda x: jax_kda.kda_prefill(
+        **x, backend="kernel", output_final_state=True))(a)
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
     assert np.isfinite(np.asarray(st.astype(jnp.float32))).all()
     (out_r, _) = jax.jit(lambda x: jax_kda.kda_prefill(**x, backend="reference"))(a)
@@ -246,9 +222,9 @@ def test_zero_length_sequences_pass_the_state_through():
     rng = np.random.default_rng()
     a = make_inputs(rng, 1, 40, 3)
     cu = jnp.asarray([0, 0, 40, 40], jnp.int32)
-    state0 = random_state(rng, 3, 3, jnp.float32)
-    _, st = jax.jit(lambda x, s: jax_kda.kda_prefill(**x, cu_seqlens=cu, initial_state=s,
-                                                     output_final_state=True, backend="kernel"))(a, state0)
+    state0 = random_states(rng, 3, 3, jnp.float32)
+    _, st = jax.jit(lambda x, s: jax_kda.kda_prefill(
+        **x, cu_seqlens=cu, initial_state=s, output_final_state=True, backend="kernel"))(a, state0)
     rounded = np.asarray(state0.astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(st)[[0, 2]], rounded[[0, 2]])
     assert not np.array_equal(np.asarray(st)[1], rounded[1])
@@ -259,7 +235,7 @@ def test_varlen_equals_each_sequence_alone_bitwise():
     lens = [33, 1, 0, 160, 7]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     a = make_inputs(rng, 1, int(cu[-1]), 4)
-    state0 = random_state(rng, len(lens), 4, jnp.bfloat16)
+    state0 = random_states(rng, len(lens), 4, jnp.bfloat16)
     run = jax.jit(lambda x, s, c: jax_kda.kda_prefill(**x, cu_seqlens=c, initial_state=s,
                                                       output_final_state=True, backend="kernel"))
     out, st = run(a, state0, jnp.asarray(cu))

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import make_inputs, random_states
 
 import jax_kda
 from jax_kda import oracle
-from jax_kda.bench import regimes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_gpus")]
 
@@ -46,8 +46,8 @@ def prefill(backend, segments, **options):
 def packed_case(seed, H=2, regime="keep32"):
     rng = np.random.default_rng(seed)
     cu = np.concatenate([[0], np.cumsum(PACKED_LENS)]).astype(np.int32)
-    a = regimes.make_inputs(rng, int(cu[-1]), H, regime, "normal")
-    state = jnp.asarray(rng.standard_normal((len(PACKED_LENS), H, 128, 128)) * 0.1, jnp.float32)
+    a = make_inputs(rng, 1, int(cu[-1]), H, regime=regime)
+    state = random_states(rng, len(PACKED_LENS), H, jnp.float32)
     return a, {"cu_seqlens": jnp.asarray(cu), "initial_state": state}
 
 
@@ -88,7 +88,7 @@ REGIMES = ("strong", "fla", "keep32", "slow")
 @pytest.mark.parametrize("regime", REGIMES)
 def test_as_accurate_as_the_serial_mode(regime):
     rng = np.random.default_rng(REGIMES.index(regime))
-    a = regimes.make_inputs(rng, 16384, 1, regime, "normal")
+    a = make_inputs(rng, 1, 16384, 1, regime=regime)
     want_out, want_state = oracle.kda_prefill_oracle(
         **{k: np.asarray(v.astype(jnp.float32)) for k, v in a.items()})
     serial = prefill("kernel", "off")(a, {})

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import assert_bits, assert_zero, bits, make_inputs, random_states
 
 import jax_kda
 from jax_kda import contract
@@ -70,52 +71,13 @@ TOKEN_BY_TOKEN_RMSE = 1.5e-2
 # ---------------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("JAX_KDA_TEST_SEED") or np.random.SeedSequence().entropy % 2**63)
-    print(f"\n  seed {seed} (JAX_KDA_TEST_SEED={seed} repeats it)")
-    return np.random.default_rng(seed)
-
-
 def cpu():
     return jax.devices("cpu")[0]
 
 
-def token_inputs(rng, B, T, h):
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), BF16)
-
-    return {"q": bf16(B, T, h, 128), "k": bf16(B, T, h, 128), "v": bf16(B, T, h, 128),
-            "g": bf16(B, T, h, 128), "beta": bf16(B, T, h),
-            "A_log": jnp.asarray(rng.uniform(-2.0, 1.0, h), F32),
-            "dt_bias": jnp.asarray(rng.standard_normal((h, 128)), F32)}
-
-
-def random_states(rng, rows, dtype, h, scale=0.1):
-    """[rows, h, 128, 128]; f32 values are not bf16 numbers (a rounding of a row shows)."""
-    return jnp.asarray(rng.standard_normal((rows, h, 128, 128), dtype=np.float32) * scale, dtype)
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
-
-
-def assert_bits(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape,
-                                                                 want.dtype, want.shape)
-    differ = bits(got) != bits(want)
-    assert not differ.any(), f"{what}: {int(differ.sum())} of {differ.size} elements differ"
-
-
-def assert_zero(x, what):
-    x = np.asarray(jnp.asarray(x).astype(F32))
-    assert (x == 0).all(), f"{what}: {int((x != 0).sum())} of {x.size} elements are not zero"
-
-
 def compare(name, got, want):
-    """Relative RMSE, fraction of bit-equal elements (as bf16) and max bf16 ulp distance, printed."""
+    """Relative RMSE, fraction of bit-equal elements (as bf16) and max bf16 ulp distance,
+    printed."""
     g = np.asarray(jnp.asarray(got).astype(F32), np.float64)
     w = np.asarray(jnp.asarray(want).astype(F32), np.float64)
     assert np.isfinite(g).all(), f"{name}: non-finite values"
@@ -172,7 +134,7 @@ def on_cpu(*args):
 
 def gather_rows(rng, pool, idx, dtype, h):
     """pool[idx[n]] per sequence (padding slots: an arbitrary random state)."""
-    rows = np.array(random_states(rng, len(idx), dtype, h))
+    rows = np.array(random_states(rng, len(idx), h, dtype))
     pool_np = np.asarray(pool)
     for n, i in enumerate(idx):
         if i >= 0:
@@ -224,7 +186,7 @@ def padding_tokens(cu, idx, B, T):
 def _decode_case(rng, N, t, H, dtype):
     P = N + 4
     idx = [P - 2] if N == 1 else [P - 1, -1, 0, 3, -1]
-    return P, idx, token_inputs(rng, N, t, H), random_states(rng, P, dtype, H)
+    return P, idx, make_inputs(rng, N, t, H), random_states(rng, P, H, dtype)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
@@ -304,8 +266,8 @@ def test_pool_prefill_equals_gather_prefill_scatter_for_every_column_split(rng, 
                                                                            numerics):
     B, T, cu, H, P, idx, n = POOL_CASES[layout]
     N = B if cu is None else len(cu) - 1
-    x = token_inputs(rng, B, T, H)
-    pool = random_states(rng, P, dtype, H)
+    x = make_inputs(rng, B, T, H)
+    pool = random_states(rng, P, H, dtype)
     cu_j = None if cu is None else jnp.asarray(cu, I32)
     idx_j = jnp.asarray(idx, I32)
     rows = gather_rows(rng, pool, idx, dtype, H)
@@ -385,8 +347,8 @@ def test_guard_rows_survive_pool_prefill(rng, layout, dtype, numerics):
     idx = [i + G if i >= 0 else -1 for i in idx]  # the sequences' rows lie between the guards
     bad = _bad_indices(idx, rows)
     assert any(b >= rows for b in bad) and any(b < -1 for b in bad)
-    x = token_inputs(rng, B, T, H)
-    pool = random_states(rng, rows, dtype, H)
+    x = make_inputs(rng, B, T, H)
+    pool = random_states(rng, rows, H, dtype)
     cu_j = None if cu is None else jnp.asarray(cu, I32)
     fn = prefill_fn(BACKEND, "stable", n, numerics=numerics)
     capacity = B * ((T - 1) // n) if cu is None else T // n
@@ -415,8 +377,8 @@ def test_guard_rows_survive_decode(rng, t, dtype):
     rows = P + 2 * G
     idx = [G + 1, -1, G + 4, -1, G, -1]
     bad = _bad_indices(idx, rows)
-    x = token_inputs(rng, N, t, H)
-    pool = random_states(rng, rows, dtype, H)
+    x = make_inputs(rng, N, t, H)
+    pool = random_states(rng, rows, H, dtype)
     fn = decode_fn(BACKEND)
     dirty_allocator(x["q"], pool, jax.ShapeDtypeStruct((N, t, H, 128, 128), dtype))
     got = fn(x, pool, jnp.asarray(bad, I32))
@@ -463,7 +425,8 @@ def _check_in_place(fn, keep, kwargs, pool_name, pool, target, pointer_result=1)
         warnings.simplefilter("error")  # "donated buffers were not usable" is a warning
         got = fn(**kwargs, **{pool_name: donated})
     assert donated.is_deleted()
-    assert got[pointer_result].unsafe_buffer_pointer() == pointer, "the pool was not updated in place"
+    assert got[pointer_result].unsafe_buffer_pointer() == pointer, (
+        "the pool was not updated in place")
     for i, (a, b) in enumerate(zip(got, want)):
         assert_bits(a, b, f"result {i}: donated vs not donated")
     return got
@@ -472,15 +435,15 @@ def _check_in_place(fn, keep, kwargs, pool_name, pool, target, pointer_result=1)
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_decode_updates_a_donated_pool_in_place(rng, dtype):
     N, t, H, P = 8, 4, 12, 64
-    x = token_inputs(rng, N, t, H)
-    pool = random_states(rng, P, dtype, H)
+    x = make_inputs(rng, N, t, H)
+    pool = random_states(rng, P, H, dtype)
     idx = jnp.asarray([40, -1, 3, 63, 17, 0, -1, 8], I32)
     options = {"output_intermediate_states": True, "backend": BACKEND}
     fn = jax.jit(partial(jax_kda.kda_decode, **options), donate_argnames="state")
     keep = jax.jit(partial(jax_kda.kda_decode, **options))
     got = _check_in_place(fn, keep, dict(x, state_indices=idx), "state", pool, DECODE_TARGET)
     # the next step of a serving loop: the returned pool donated again
-    x2 = token_inputs(rng, N, t, H)
+    x2 = make_inputs(rng, N, t, H)
     x2.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
     _check_in_place(fn, keep, dict(x2, state_indices=idx), "state", got[1], DECODE_TARGET)
 
@@ -489,8 +452,8 @@ def test_decode_updates_a_donated_pool_in_place(rng, dtype):
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_pool_prefill_updates_a_donated_pool_in_place(rng, dtype, numerics):
     B, T, cu, H, P, idx, n = POOL_CASES["packed"]
-    x = token_inputs(rng, B, T, H)
-    pool = random_states(rng, P, dtype, H)
+    x = make_inputs(rng, B, T, H)
+    pool = random_states(rng, P, H, dtype)
     options = {"output_final_state": True, "checkpoint_every": n, "backend": BACKEND,
                "numerics": numerics}
     fn = jax.jit(partial(jax_kda.kda_prefill, **options), donate_argnames="initial_state")
@@ -584,9 +547,9 @@ def test_vmap_of_kernel_decode_and_pool_prefill_equals_a_loop(rng):
     """One folded kernel call for the whole vmapped batch (pools stacked, indices shifted), bitwise
     a loop; an index >= P must not reach the next element's rows."""
     n_el, N, t, H, P = 3, 4, 2, 4, 6
-    xs = [token_inputs(rng, N, t, H) for _ in range(n_el)]
+    xs = [make_inputs(rng, N, t, H) for _ in range(n_el)]
     heads = (xs[0]["A_log"], xs[0]["dt_bias"])
-    pools = random_states(rng, n_el * P, F32, H).reshape(n_el, P, H, 128, 128)
+    pools = random_states(rng, n_el * P, H, F32).reshape(n_el, P, H, 128, 128)
     idxs = [[5, -1, 0, 2], [-1, 1, 3, 4], [2, 5, -1, -1]]
     past = jnp.asarray([[i if i >= 0 else P + e for i in idx] for e, idx in enumerate(idxs)], I32)
 
@@ -605,9 +568,9 @@ def test_vmap_of_kernel_decode_and_pool_prefill_equals_a_loop(rng):
             assert_bits(a[e], b, f"decode element {e}: {name}")
 
     B, T, cu, H, P, idx, n = POOL_CASES["packed"]
-    xs = [token_inputs(rng, B, T, H) for _ in range(2)]
+    xs = [make_inputs(rng, B, T, H) for _ in range(2)]
     heads = (xs[0]["A_log"], xs[0]["dt_bias"])
-    pools = random_states(rng, 2 * P, BF16, H).reshape(2, P, H, 128, 128)
+    pools = random_states(rng, 2 * P, H, BF16).reshape(2, P, H, 128, 128)
     idxs = [idx, [0, 9, -1, 4, 5, 1, -1]]
     past = jnp.asarray([[i if i >= 0 else P + 1 for i in idx] for idx in idxs], I32)
 
@@ -633,8 +596,8 @@ def test_vmap_of_kernel_decode_and_pool_prefill_equals_a_loop(rng):
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_chained_decode_steps_of_sixteen_tokens_equal_one_prefill(rng, dtype):
     N, H, t = 3, 6, 16
-    x = token_inputs(rng, N, 4 * t, H)
-    state0 = random_states(rng, N, dtype, H)
+    x = make_inputs(rng, N, 4 * t, H)
+    state0 = random_states(rng, N, H, dtype)
     step = decode_fn(BACKEND, "stable", intermediate=False, pooled=False)
     state, outs = state0, []
     for i in range(4):
@@ -649,8 +612,8 @@ def test_chained_decode_steps_of_sixteen_tokens_equal_one_prefill(rng, dtype):
 def test_token_by_token_decode_reaches_the_prefill_state(rng):
     N, H, P, T = 3, 6, 5, 64
     idx = jnp.asarray([3, -1, 0], I32)
-    x = token_inputs(rng, N, T, H)
-    background = random_states(rng, P, F32, H)
+    x = make_inputs(rng, N, T, H)
+    background = random_states(rng, P, H, F32)
     pools, outs = {}, {}
     for dtype in (BF16, F32):
         pool = background.astype(dtype).at[np.array([3, 0])].set(0)

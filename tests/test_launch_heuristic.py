@@ -58,7 +58,8 @@ def test_short_sequences_also_keep_16_where_64_puts_two_ctas_on_an_sm(sms):
 
 def test_kimi_k3_tensor_parallel_shapes_on_h200():
     # 96 heads at TP 1/2/4/8/16 -> 96/48/24/12/6 heads per GPU, one sequence
-    picks = {h: _launch.choose_block_v(num_seqs=1, heads=h, sm_count=132) for h in (96, 48, 24, 12, 6)}
+    picks = {h: _launch.choose_block_v(num_seqs=1, heads=h, sm_count=132)
+             for h in (96, 48, 24, 12, 6)}
     assert picks == {96: 64, 48: 64, 24: 16, 12: 16, 6: 16}
 
 

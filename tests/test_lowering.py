@@ -77,7 +77,8 @@ def test_two_versioned_custom_calls_with_abi_shapes(total, heads, seqs):
 
 def test_recurrence_consumes_the_prepare_result():
     text = _lower_both(40, 2, 2)
-    prepare_result = re.search(r"(%\w+) = stablehlo\.custom_call @jax_kda_prepare_v1", text).group(1)
+    prepare_result = re.search(r"(%\w+) = stablehlo\.custom_call @jax_kda_prepare_v1",
+                               text).group(1)
     operands = re.search(r"custom_call @jax_kda_recurrence_v1\(([^)]*)\)", text).group(1)
     assert [o.strip() for o in operands.split(",")][2] == prepare_result
 
@@ -196,7 +197,8 @@ def test_int64_cu_seqlens_are_passed_as_int32():
     "change,error,match",
     [
         ({"q": jax.ShapeDtypeStruct((40, 2, 128), F32)}, TypeError, "q: expected dtype bfloat16"),
-        ({"k": jax.ShapeDtypeStruct((40, 3, 128), BF16)}, ValueError, r"k: expected shape \(40, 2, 128\)"),
+        ({"k": jax.ShapeDtypeStruct((40, 3, 128), BF16)}, ValueError,
+         r"k: expected shape \(40, 2, 128\)"),
         ({"beta": jax.ShapeDtypeStruct((40, 2, 1), BF16)}, ValueError, "beta: expected shape"),
         ({"A_log": jax.ShapeDtypeStruct((2,), BF16)}, TypeError, "A_log: expected dtype float32"),
         ({"cu_seqlens": jax.ShapeDtypeStruct((1,), I32)}, ValueError, "N >= 1"),

@@ -95,6 +95,7 @@ def test_committed_without_outputs(path):
     assert not stale, f"{path.name}: cells {stale} hold outputs; strip them before committing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_runs_top_to_bottom_on_cpu(path, monkeypatch, tmp_path):
     empty = tmp_path / "no_results"

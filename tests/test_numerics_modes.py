@@ -12,20 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import bits, make_inputs, random_states
 
 import jax_kda
 from jax_kda import _kernel_path, _launch, contract, reference_fp32
 from jax_kda.problem import Problem
 
 SCALE, LOWER = 128**-0.5, -5.0
-
-
-def inputs(rng, B, T, H):
-    bf = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32), jnp.bfloat16)
-    return {"q": bf(B, T, H, 128), "k": bf(B, T, H, 128), "v": bf(B, T, H, 128),
-            "g": bf(B, T, H, 128), "beta": bf(B, T, H),
-            "A_log": jnp.asarray(rng.uniform(0, 1, H), jnp.float32),
-            "dt_bias": jnp.asarray(rng.uniform(0, 1, (H, 128)), jnp.float32)}
 
 
 def reference(a, **kw):
@@ -35,18 +28,13 @@ def reference(a, **kw):
         **a, **kw, scale=SCALE, lower_bound=LOWER))(a, kw)
 
 
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
-
-
 @pytest.mark.parametrize("state_dtype", [None, jnp.bfloat16, jnp.float32])
 def test_reference_backend_is_the_fp32_reference(state_dtype):
     rng = np.random.default_rng()
-    a = inputs(rng, 2, 37, 2)
+    a = make_inputs(rng, 2, 37, 2, regime="strong")
     kw = {}
     if state_dtype is not None:
-        kw["initial_state"] = jnp.asarray(rng.standard_normal((2, 2, 128, 128)) * 0.1, state_dtype)
+        kw["initial_state"] = random_states(rng, 2, 2, state_dtype)
     out, final = jax_kda.kda_prefill(**a, **kw, output_final_state=True, numerics="fp32",
                                      backend="reference")
     want_out, want_final = reference(a, **kw)
@@ -61,8 +49,8 @@ def test_reference_backend_is_the_fp32_reference(state_dtype):
 
 def test_pool_rows_padding_and_untouched_rows():
     rng = np.random.default_rng()
-    a = inputs(rng, 3, 20, 2)
-    pool = jnp.asarray(rng.standard_normal((6, 2, 128, 128)) * 0.1, jnp.float32)
+    a = make_inputs(rng, 3, 20, 2, regime="strong")
+    pool = random_states(rng, 6, 2, jnp.float32)
     idx = jnp.asarray([4, -1, 1], jnp.int32)
     out, new_pool = jax_kda.kda_prefill(**a, initial_state=pool, state_indices=idx,
                                         output_final_state=True, numerics="fp32",
@@ -78,8 +66,8 @@ def test_pool_rows_padding_and_untouched_rows():
 
 def test_decode_is_prefill_on_the_tokens():
     rng = np.random.default_rng()
-    a = inputs(rng, 3, 5, 2)
-    pool = jnp.asarray(rng.standard_normal((4, 2, 128, 128)) * 0.1, jnp.float32)
+    a = make_inputs(rng, 3, 5, 2, regime="strong")
+    pool = random_states(rng, 4, 2, jnp.float32)
     idx = jnp.asarray([2, 0, -1], jnp.int32)
     out, new_pool = jax_kda.kda_decode(**a, state=pool, state_indices=idx, numerics="fp32",
                                        backend="reference")
@@ -99,7 +87,7 @@ def test_decode_is_prefill_on_the_tokens():
      "sequence_parallel segments and checkpoint_every"),
 ])
 def test_bad_combinations_name_the_argument(bad, message):
-    a = inputs(np.random.default_rng(0), 1, 16, 1)
+    a = make_inputs(np.random.default_rng(0), 1, 16, 1, regime="strong")
     with pytest.raises(ValueError, match=re.escape(message)):
         jax_kda.kda_prefill(**a, **bad)
 
@@ -113,13 +101,27 @@ def _decode_with_states(a, pool, idx, **kw):
 DECODE_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
 
+def _prefix_final_states(a, prefixes, states):
+    """The fp32 prefill's final state on each token range (batch row, start, length) of a, from
+    its initial state in states [len(prefixes), H, 128, 128]: one packed call (a packed sequence
+    is the sequence alone, bit for bit: tests/test_reference_fp32.py)."""
+    tokens = {k: (jnp.concatenate([x[b:b + 1, start:start + length]
+                                   for b, start, length in prefixes], axis=1)
+                  if x.ndim >= 3 else x) for k, x in a.items()}
+    cu = jnp.asarray(np.cumsum([0] + [length for *_, length in prefixes]), jnp.int32)
+    _, final = jax.jit(lambda a, s, c: jax_kda.kda_prefill(
+        **a, initial_state=s, cu_seqlens=c, output_final_state=True, scale=SCALE,
+        lower_bound=LOWER, numerics="fp32"))(tokens, states, cu)
+    return final
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fp32_decode_intermediate_states_are_prefix_prefills(dtype):
     """Reference backend: state i == the fp32 prefill's final state on the first i + 1 tokens,
     out and the pool as kda_decode without them; a padding slot gets zeros."""
     rng = np.random.default_rng()
-    a = inputs(rng, 3, 5, 2)
-    pool = jnp.asarray(rng.standard_normal((4, 2, 128, 128)) * 0.1, dtype)
+    a = make_inputs(rng, 3, 5, 2, regime="strong")
+    pool = random_states(rng, 4, 2, dtype)
     idx = jnp.asarray([2, -1, 0], jnp.int32)
     out, new_pool, states = _decode_with_states(a, pool, idx)
     assert states.shape == (3, 5, 2, 128, 128) and states.dtype == dtype
@@ -128,13 +130,12 @@ def test_fp32_decode_intermediate_states_are_prefix_prefills(dtype):
         a, pool)
     np.testing.assert_array_equal(bits(out), bits(plain_out))
     np.testing.assert_array_equal(bits(new_pool), bits(plain_pool))
-    for n, row in ((0, 2), (2, 0)):
-        for i in range(5):
-            part = {k: (x[n:n + 1, :i + 1] if x.ndim >= 3 else x) for k, x in a.items()}
-            _, final = jax.jit(lambda a, s: jax_kda.kda_prefill(
-                **a, initial_state=s, output_final_state=True, scale=SCALE, lower_bound=LOWER,
-                numerics="fp32"))(part, pool[row:row + 1])
-            np.testing.assert_array_equal(bits(states[n, i]), bits(final[0]))
+    owners = ((0, 2), (2, 0))  # (sequence, pool row)
+    prefixes = [(n, 0, i + 1) for n, _ in owners for i in range(5)]
+    finals = _prefix_final_states(a, prefixes, pool[np.repeat([row for _, row in owners], 5)])
+    for (n, _, length), final in zip(prefixes, finals, strict=True):
+        np.testing.assert_array_equal(bits(states[n, length - 1]), bits(final))
+    for n, row in owners:
         np.testing.assert_array_equal(bits(states[n, -1]), bits(new_pool[row]))
     assert not np.asarray(states[1].astype(jnp.float32)).any()
     assert not np.asarray(out[1].astype(jnp.float32)).any()
@@ -147,8 +148,8 @@ def test_fp32_decode_prefix_packing_of_the_kernel_path(monkeypatch):
     from jax_kda import _reference_path
     monkeypatch.setattr(_kernel_path, "prefill", _reference_path.prefill)
     rng = np.random.default_rng()
-    a = inputs(rng, 3, 4, 2)
-    pool = jnp.asarray(rng.standard_normal((5, 2, 128, 128)) * 0.1, jnp.float32)
+    a = make_inputs(rng, 3, 4, 2, regime="strong")
+    pool = random_states(rng, 5, 2, jnp.float32)
     idx = jnp.asarray([4, 1, -1], jnp.int32)
     want = _decode_with_states(a, pool, idx)
     problem = jax_kda._checks.check_decode(
@@ -189,7 +190,8 @@ def test_fp32_mode_lowers_to_its_own_calls(monkeypatch, state_dtype):
     calls = _lowered_calls(monkeypatch, "fp32", state_dtype)
     assert set(calls) == {contract.PREPARE_FP32_TARGET, contract.RECURRENCE_FP32_TARGET}
     slots = contract.workspace_slots(80, 2)
-    assert f"tensor<3x{slots}x{contract.FP32_RECORD_BYTES}xui8>" in calls[contract.PREPARE_FP32_TARGET]
+    workspace = f"tensor<3x{slots}x{contract.FP32_RECORD_BYTES}xui8>"
+    assert workspace in calls[contract.PREPARE_FP32_TARGET]
     rec = calls[contract.RECURRENCE_FP32_TARGET]
     assert "tensor<2x3x128x128xf32>" in rec and "bf16" in rec  # f32 states, bf16 v / out
     assert "2x3x128x128xbf16" not in rec
@@ -248,8 +250,8 @@ def test_fp32_checkpoints_are_prefix_prefills(dtype):
     rng = np.random.default_rng()
     cu = np.array([0, 40, 40, 77, 90], np.int32)
     n, idx = 16, jnp.asarray([2, 0, -1, 3], jnp.int32)
-    a = inputs(rng, 1, int(cu[-1]), 2)
-    pool = jnp.asarray(rng.standard_normal((4, 2, 128, 128)) * 0.1, dtype)
+    a = make_inputs(rng, 1, int(cu[-1]), 2, regime="strong")
+    pool = random_states(rng, 4, 2, dtype)
     kw = {"cu_seqlens": jnp.asarray(cu), "initial_state": pool, "state_indices": idx,
           "output_final_state": True, "scale": SCALE, "lower_bound": LOWER, "numerics": "fp32"}
     out, new_pool, ckpts = jax.jit(lambda a: jax_kda.kda_prefill(**a, **kw, checkpoint_every=n))(a)
@@ -259,15 +261,16 @@ def test_fp32_checkpoints_are_prefix_prefills(dtype):
     offsets = np.asarray(jax_kda.checkpoint_offsets(cu, n))
     assert ckpts.dtype == dtype and ckpts.shape[0] >= offsets[-1]
     np.testing.assert_array_equal(offsets, [0, 2, 2, 4, 4])  # 16, 32 of 40 and of 37 tokens
+    rows, prefixes, owners = [], [], []  # checkpoint row, (0, start, length), pool row
     for s in range(len(cu) - 1):
         for j in range(offsets[s + 1] - offsets[s]):
             row = offsets[s] + j
             if int(idx[s]) < 0:
                 assert not np.asarray(ckpts[row].astype(jnp.float32)).any()
                 continue
-            part = {k: (x[:, cu[s]:cu[s] + (j + 1) * n] if x.ndim >= 3 else x)
-                    for k, x in a.items()}
-            _, final = jax.jit(lambda p, s0: jax_kda.kda_prefill(
-                **p, initial_state=s0, output_final_state=True, scale=SCALE, lower_bound=LOWER,
-                numerics="fp32"))(part, pool[int(idx[s])][None])
-            np.testing.assert_array_equal(bits(ckpts[row]), bits(final[0]))
+            rows.append(row)
+            prefixes.append((0, int(cu[s]), (j + 1) * n))
+            owners.append(int(idx[s]))
+    finals = _prefix_final_states(a, prefixes, pool[np.asarray(owners)])
+    for row, final in zip(rows, finals, strict=True):
+        np.testing.assert_array_equal(bits(ckpts[row]), bits(final))

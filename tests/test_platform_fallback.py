@@ -5,9 +5,9 @@ import re
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import assert_bits, make_inputs
 
 import jax_kda
 from jax_kda import _ffi
@@ -17,14 +17,8 @@ TARGETS = ["jax_kda_prepare_v1", "jax_kda_recurrence_v1"]
 
 
 def make_args(seed=0, t=T, h=H):
-    rng = np.random.default_rng(seed)
-
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-
-    return (bf16(B, t, h, 128), bf16(B, t, h, 128), bf16(B, t, h, 128), bf16(B, t, h, 128),
-            bf16(B, t, h), jnp.asarray(rng.uniform(-1.5, 1.0, h), jnp.float32),
-            jnp.asarray(rng.standard_normal((h, 128)), jnp.float32))
+    """kda_prefill's positional arrays."""
+    return tuple(make_inputs(np.random.default_rng(seed), B, t, h).values())
 
 
 def kda(*args, backend):
@@ -43,17 +37,12 @@ def kda_targets(text):
     return sorted(re.findall(r"custom_call @(jax_kda_\w+)\(", text))
 
 
-def assert_bitwise(got, want):
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_auto_under_jit_on_cpu_runs_the_reference(kernels_built):
     args = make_args()
-    auto = jax.jit(partial(kda, backend="auto"))
-    compiled = auto.lower(*args).compile().as_text()
-    assert "jax_kda_" not in compiled  # nothing of the kernel path reached the CPU executable
-    assert_bitwise(auto(*args), jax.jit(partial(kda, backend="reference"))(*args))
+    compiled = jax.jit(partial(kda, backend="auto")).lower(*args).compile()
+    # nothing of the kernel path reached the CPU executable
+    assert "jax_kda_" not in compiled.as_text()
+    assert_bits(compiled(*args), jax.jit(partial(kda, backend="reference"))(*args))
 
 
 def test_same_function_lowers_per_platform(kernels_built):
@@ -84,4 +73,4 @@ def test_gpu_auto_runs_the_kernels(kernel_gpus):
     assert kda_targets(auto.lower(*args).as_text()) == TARGETS
     compiled = auto.lower(*args).compile().as_text()
     assert "jax_kda_prepare_v1" in compiled and "jax_kda_recurrence_v1" in compiled
-    assert_bitwise(auto(*args), jax.jit(partial(kda, backend="kernel"))(*args))
+    assert_bits(auto(*args), jax.jit(partial(kda, backend="kernel"))(*args))

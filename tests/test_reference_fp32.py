@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from kda_testing import assert_bits, make_inputs, random_states
 
 from jax_kda import oracle, reference, reference_fp32
-from jax_kda.bench import regimes
 
 D = 128
 SCALE = D**-0.5
@@ -23,31 +23,22 @@ OUT_BOUND = 3.0e-3
 STATE_BOUND = 2.5e-3
 
 
-def make_inputs(rng, T, H, regime="fla", law="normal"):
-    return regimes.make_inputs(rng, T, H, regime, law)
-
-
-def f32_state(rng, N, H):
-    """A random f32 initial state whose values are not bf16 numbers (a rounding would show)."""
-    state = jnp.asarray(rng.standard_normal((N, H, D, D)) * 0.1, jnp.float32)
-    assert np.mean(np.asarray(state) != np.asarray(state.astype(jnp.bfloat16).astype(jnp.float32))) > 0.99
-    return state
-
-
 _JITTED = {}
 
 
 def run(mode, args, state=None, cu=None):
     key = (mode, state is None, cu is None)
     if key not in _JITTED:
-        fn = reference_fp32.kda_prefill_reference_fp32 if mode == "fp32" else reference.kda_prefill_reference
+        fn = (reference_fp32.kda_prefill_reference_fp32 if mode == "fp32"
+              else reference.kda_prefill_reference)
         _JITTED[key] = jax.jit(lambda a, s, c: fn(**a, scale=SCALE, lower_bound=LOWER_BOUND,
                                                   initial_state=s, cu_seqlens=c))
     return _JITTED[key](args, state, cu)
 
 
 def run_oracle(args, state=None, cu=None):
-    return oracle.kda_prefill_oracle(**args, scale=SCALE, lower_bound=LOWER_BOUND, initial_state=state,
+    return oracle.kda_prefill_oracle(**args, scale=SCALE, lower_bound=LOWER_BOUND,
+                                     initial_state=state,
                                      cu_seqlens=None if cu is None else np.asarray(cu))
 
 
@@ -61,12 +52,6 @@ def rel_rmse(got, want):
     return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
 
 
-def assert_bitwise_equal(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype
-    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-
-
 # --------------------------------------------------------------------------- building blocks
 
 
@@ -78,7 +63,8 @@ def test_split_hi_lo_is_the_bf16_pair():
     want_hi = x.astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(np.asarray(hi).view(np.uint16), want_hi.view(np.uint16))
     rest = x.astype(np.float64) - hi32  # exact in f32; lo is its bf16 rounding, or 0 if subnormal
-    want_lo = np.where(np.abs(rest) < 2.0**-126, 0.0, rest.astype(np.float32).astype(ml_dtypes.bfloat16))
+    want_lo = np.where(np.abs(rest) < 2.0**-126, 0.0,
+                       rest.astype(np.float32).astype(ml_dtypes.bfloat16))
     np.testing.assert_array_equal(lo32, f64(want_lo))
     normal = np.abs(x) > 2.0**-100
     assert np.all(np.abs(x - hi32 - lo32)[normal] <= 2.0**-16 * np.abs(x)[normal])
@@ -93,10 +79,12 @@ def _exact_chunk(q, k, g, beta, A_log, dt_bias):
     G = np.cumsum(LOWER_BOUND * np.log2(np.e) / (1 + np.exp(-x)), axis=-2)
     decay = np.exp2(G[..., :, None, :] - G[..., None, :, :])  # [C, r, c, d]
     b = 1 / (1 + np.exp(-f64(beta)))
-    lmat = b[..., :, None] * np.einsum("...rd,...cd,...rcd->...rc", kn, kn, decay) * np.tril(np.ones((16, 16)), -1)
-    return {"kd": kn * np.exp2(G), "qd": qn * np.exp2(G) * SCALE, "kr": kn * np.exp2(G[..., -1:, :] - G),
-            "gt": np.exp2(G[..., -1, :]), "L": lmat,
-            "mqk": SCALE * np.einsum("...rd,...cd,...rcd->...rc", qn, kn, decay) * np.tril(np.ones((16, 16))),
+    lower, lower_with_diagonal = np.tril(np.ones((16, 16)), -1), np.tril(np.ones((16, 16)))
+    lmat = b[..., :, None] * np.einsum("...rd,...cd,...rcd->...rc", kn, kn, decay) * lower
+    return {"kd": kn * np.exp2(G), "qd": qn * np.exp2(G) * SCALE,
+            "kr": kn * np.exp2(G[..., -1:, :] - G), "gt": np.exp2(G[..., -1, :]), "L": lmat,
+            "mqk": SCALE * np.einsum("...rd,...cd,...rcd->...rc", qn, kn, decay)
+            * lower_with_diagonal,
             "G15": G[..., -1, :]}
 
 
@@ -120,7 +108,8 @@ def test_prepare_matches_float64_to_f32_level():
     def value(pair):
         return f64(pair.hi) + (0.0 if pair.lo is None else f64(pair.lo))
 
-    # The record holds lo only where a product uses it: everywhere but kd (P = kd_hi . (S_hi + S_lo)).
+    # The record holds lo only where a product uses it: everywhere but kd
+    # (P = kd_hi . (S_hi + S_lo)).
     assert ws.kd.lo is None
     assert all(x.lo is not None for x in (ws.qd, ws.kr, ws.mqk, ws.inv))
     for name in ("kd", "qd", "kr"):  # hi + lo carries 16 bits; tiny decayed values may be flushed
@@ -152,8 +141,8 @@ CASES = [("keep32", "normal"), ("slow", "normal"), ("strong", "uniform"), ("fla"
 @pytest.mark.parametrize("regime,law", CASES)
 def test_bounds_against_oracle_and_better_than_bf16(regime, law):
     rng = np.random.default_rng(22 + CASES.index((regime, law)))
-    args = make_inputs(rng, 1024, 2, regime, law)
-    state0 = f32_state(rng, 1, 2).astype(jnp.bfloat16)
+    args = make_inputs(rng, 1, 1024, 2, regime=regime, law=law)
+    state0 = random_states(rng, 1, 2, jnp.bfloat16)
     want_out, want_state = run_oracle(args, state0)
     out, state = run("fp32", args, state0)
     assert out.dtype == jnp.bfloat16 and state.dtype == jnp.float32
@@ -172,8 +161,8 @@ PACKED_CU = [0, 0, 77, 77, 154]  # empty, 77 tokens, empty, 77 tokens (one shape
 def test_packed_equals_each_sequence_alone_and_empty_keeps_f32_state():
     rng = np.random.default_rng(30)
     N, H = len(PACKED_CU) - 1, 2
-    args = make_inputs(rng, PACKED_CU[-1], H, "keep32")
-    state = f32_state(rng, N, H)
+    args = make_inputs(rng, 1, PACKED_CU[-1], H, regime="keep32")
+    state = random_states(rng, N, H)  # f32 values that are not bf16 numbers
     cu = jnp.asarray(PACKED_CU, jnp.int32)
     out, final = run("fp32", args, state, cu)
     want_out, want_final = run_oracle(args, state, cu)
@@ -181,17 +170,17 @@ def test_packed_equals_each_sequence_alone_and_empty_keeps_f32_state():
     for n in range(N):
         lo, hi = PACKED_CU[n], PACKED_CU[n + 1]
         if hi == lo:  # zero-length sequence: the f32 initial state comes back unrounded
-            assert_bitwise_equal(final[n], state[n])
+            assert_bits(final[n], state[n])
             continue
         alone = {name: (a[:, lo:hi] if a.ndim >= 3 else a) for name, a in args.items()}
         seq_out, seq_final = run("fp32", alone, state[n:n + 1])
-        assert_bitwise_equal(out[:, lo:hi], seq_out)
-        assert_bitwise_equal(final[n], seq_final[0])
+        assert_bits(out[:, lo:hi], seq_out)
+        assert_bits(final[n], seq_final[0])
 
 
 def test_only_the_stable_inverse_exists():
     rng = np.random.default_rng(32)
-    args = make_inputs(rng, 16, 1)
+    args = make_inputs(rng, 1, 16, 1, regime="fla")
     with pytest.raises(ValueError, match="inverse"):
         reference_fp32.kda_prefill_reference_fp32(**args, scale=SCALE, lower_bound=LOWER_BOUND,
                                                   inverse="neumann")
@@ -221,7 +210,7 @@ def test_summation_order_moves_results_only_at_f32_level(monkeypatch):
     flips bf16(S), which P alone sees.)
     """
     rng = np.random.default_rng(33)
-    args = make_inputs(rng, 1024, 2, "slow")
+    args = make_inputs(rng, 1, 1024, 2, regime="slow")
     out, state = run("fp32", args)
     monkeypatch.setattr(reference, "_dot", _chained_dot)
     alt_out, alt_state = jax.jit(lambda a: reference_fp32.kda_prefill_reference_fp32(

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import make_inputs, random_states
 
 import jax_kda
 from jax_kda import _sequence_parallel, contract, oracle
-from jax_kda.bench import regimes
 
 
 def run(a, state, segments):
@@ -36,8 +36,8 @@ def rel(got, want):
                                                  ("fla", 1, 520, 3), ("slow", 1, 1024, 16)])
 def test_segments_agree_with_serial_and_are_as_accurate(regime, B, T, segments):
     rng = np.random.default_rng(segments)
-    a = regimes.make_inputs(rng, T, 2, regime, "normal", B=B)
-    state = jnp.asarray(rng.standard_normal((B, 2, 128, 128)) * 0.1, jnp.float32)
+    a = make_inputs(rng, B, T, 2, regime=regime)
+    state = random_states(rng, B, 2, jnp.float32)
     serial_out, serial_state = run(a, state, "off")
     out, final = run(a, state, segments)
     assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
@@ -53,7 +53,7 @@ def test_segments_agree_with_serial_and_are_as_accurate(regime, B, T, segments):
 
 def test_one_segment_and_auto_are_the_serial_mode():
     rng = np.random.default_rng(0)
-    a = regimes.make_inputs(rng, 100, 1, "fla", "normal", B=2)
+    a = make_inputs(rng, 2, 100, 1, regime="fla")
     state = jnp.zeros((2, 1, 128, 128), jnp.float32)
     serial = run(a, state, "off")
     for same in (1, "auto"):
@@ -76,7 +76,7 @@ def test_segments_hold_whole_chunks_and_cover_the_sequence():
     ({"sequence_parallel": "on", "numerics": "fp32"}, "sequence_parallel must be"),
 ])
 def test_bad_arguments_name_sequence_parallel(bad, message):
-    a = regimes.make_inputs(np.random.default_rng(0), 16, 1)
+    a = make_inputs(np.random.default_rng(0), 1, 16, 1, regime="fla")
     with pytest.raises(ValueError, match=re.escape(message)):
         jax_kda.kda_prefill(**a, **bad)
 
@@ -110,8 +110,8 @@ def test_packed_sequences_cut_only_where_long():
     lens = [600, 0, 37, 128, 0, 227]
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     rng = np.random.default_rng(3)
-    a = regimes.make_inputs(rng, int(cu[-1]), 2, "keep32", "normal")
-    state = jnp.asarray(rng.standard_normal((len(lens), 2, 128, 128)) * 0.1, jnp.float32)
+    a = make_inputs(rng, 1, int(cu[-1]), 2, regime="keep32")
+    state = random_states(rng, len(lens), 2, jnp.float32)
     f = jax.jit(lambda a, s, n: jax_kda.kda_prefill(
         **a, initial_state=s, cu_seqlens=cu, output_final_state=True, numerics="fp32",
         backend="reference", sequence_parallel=n), static_argnums=2)
@@ -123,8 +123,8 @@ def test_packed_sequences_cut_only_where_long():
 
 def test_pool_rows_and_padding_slots():
     rng = np.random.default_rng(5)
-    a = regimes.make_inputs(rng, 256, 1, "fla", "normal", B=3)
-    pool = jnp.asarray(rng.standard_normal((5, 1, 128, 128)) * 0.1, jnp.float32)
+    a = make_inputs(rng, 3, 256, 1, regime="fla")
+    pool = random_states(rng, 5, 1, jnp.float32)
     idx = jnp.asarray([3, -1, 0], jnp.int32)
     f = jax.jit(lambda a, p, n: jax_kda.kda_prefill(
         **a, initial_state=p, state_indices=idx, output_final_state=True, numerics="fp32",
@@ -138,7 +138,7 @@ def test_pool_rows_and_padding_slots():
 
 def test_under_vmap_each_element_is_cut_alone():
     rng = np.random.default_rng(6)
-    xs = [regimes.make_inputs(rng, 200, 1, "slow", "normal") for _ in range(2)]
+    xs = [make_inputs(rng, 1, 200, 1, regime="slow") for _ in range(2)]
     a = jax.tree.map(lambda *x: jnp.stack(x), *xs)
     a["A_log"], a["dt_bias"] = xs[0]["A_log"], xs[0]["dt_bias"]  # shared head parameters
 
@@ -149,21 +149,23 @@ def test_under_vmap_each_element_is_cut_alone():
     shared = {"A_log": None, "dt_bias": None}
     axes = ({**{k: 0 for k in a}, **shared},)
     mapped = jax.jit(jax.vmap(lambda x: one(x, 4), in_axes=axes))(a)
+    run_alone = jax.jit(lambda x: one(x, 4))
     for i, x in enumerate(xs):
-        alone = jax.jit(lambda x: one(x, 4))(x)
+        alone = run_alone(x)
         for got, want in zip(mapped, alone):
             np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
 
 
 def test_pieces_cover_each_sequence_with_whole_chunks():
     rng = np.random.default_rng(7)
+    pieces = jax.jit(_sequence_parallel.pieces, static_argnames=("capacity", "length"))
     for _ in range(20):
         lens = rng.integers(0, 300, size=rng.integers(1, 6))
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         length = 16 * int(rng.integers(1, 8))
         capacity = _sequence_parallel.piece_capacity(
             num_seqs=len(lens), total_tokens=int(cu[-1]), varlen=True, length=length)
-        piece_cu, owner, first, last = (np.asarray(x) for x in _sequence_parallel.pieces(
+        piece_cu, owner, first, last = (np.asarray(x) for x in pieces(
             jnp.asarray(cu), capacity=capacity, length=length))
         assert piece_cu[0] == 0 and piece_cu[-1] == cu[-1] and np.all(np.diff(piece_cu) >= 0)
         for n, (bos, eos) in enumerate(itertools.pairwise(cu)):

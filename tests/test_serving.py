@@ -1,4 +1,5 @@
-"""Serving features on CPU: state pools (state_indices), checkpoints (checkpoint_every) and kda_decode.
+"""Serving features on CPU: state pools (state_indices), checkpoints (checkpoint_every) and
+kda_decode.
 
 The contract (jax_kda.api, jax_kda.checkpoints, docs/numerics.md), checked on backend="reference"
 and on backend="auto" (the reference on a CPU):
@@ -27,7 +28,6 @@ JAX_KDA_TEST_SEED=<seed> repeats a run.
 
 from __future__ import annotations
 
-import os
 import re
 from functools import partial
 
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export as jax_export
+from kda_testing import assert_bits, assert_zero, bits, make_inputs, random_states
 
 import jax_kda
 from jax_kda import _ffi, api, checkpoints
@@ -62,52 +63,10 @@ DECODE = {"N": 3, "P": 5, "idx": [3, -1, 0]}
 # ---------------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("JAX_KDA_TEST_SEED") or np.random.SeedSequence().entropy % 2**63)
-    print(f"\n  seed {seed} (JAX_KDA_TEST_SEED={seed} repeats it)")
-    return np.random.default_rng(seed)
-
-
-def token_inputs(rng, B, T, h=H):
-    """Random kda_prefill / kda_decode inputs [B, T, h, ...] (never all zero)."""
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), BF16)
-
-    return {"q": bf16(B, T, h, 128), "k": bf16(B, T, h, 128), "v": bf16(B, T, h, 128),
-            "g": bf16(B, T, h, 128), "beta": bf16(B, T, h),
-            "A_log": jnp.asarray(rng.uniform(-2.0, 1.0, h), F32),
-            "dt_bias": jnp.asarray(rng.standard_normal((h, 128)), F32)}
-
-
-def random_states(rng, rows, dtype, h=H, scale=0.1):
-    """[rows, h, 128, 128] of the given dtype; f32 values are not bf16 numbers (so a rounding of
-    rows that must stay untouched shows)."""
-    return jnp.asarray(rng.standard_normal((rows, h, 128, 128), dtype=np.float32) * scale, dtype)
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
-
-
-def assert_bits(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape,
-                                                                 want.dtype, want.shape)
-    differ = bits(got) != bits(want)
-    assert not differ.any(), f"{what}: {int(differ.sum())} of {differ.size} elements differ"
-
-
-def assert_zero(x, what):
-    x = np.asarray(jnp.asarray(x).astype(F32))
-    assert (x == 0).all(), f"{what}: {int((x != 0).sum())} of {x.size} elements are not zero"
-
-
 def gather_rows(rng, pool, idx, dtype):
     """pool[idx[n]] per sequence; padding slots get an arbitrary (random) state."""
     pool = np.asarray(pool)
-    rows = np.array(random_states(rng, len(idx), dtype))  # a writable copy
+    rows = np.array(random_states(rng, len(idx), H, dtype))  # a writable copy
     for n, i in enumerate(idx):
         if i >= 0:
             rows[n] = pool[i]
@@ -159,8 +118,8 @@ def decode_step(x, i, t):
 
 def test_batched_pool_prefill_is_gather_prefill_scatter(rng):
     B, T, P, n, idx = (BATCHED[k] for k in ("B", "T", "P", "n", "idx"))
-    x = token_inputs(rng, B, T)
-    pool = random_states(rng, P, BF16)
+    x = make_inputs(rng, B, T, H)
+    pool = random_states(rng, P, H, BF16)
     out, new_pool, ckpts = jax_kda.kda_prefill(
         **x, initial_state=pool, state_indices=jnp.asarray(idx, I32), output_final_state=True,
         checkpoint_every=n, backend="reference")
@@ -196,8 +155,8 @@ def test_packed_pool_prefill_is_gather_prefill_scatter(rng):
     cu, P, n, idx = (PACKED[k] for k in ("cu", "P", "n", "idx"))
     T, N = cu[-1], len(cu) - 1
     options = {"inverse": "neumann", "backend": "reference"}
-    x = token_inputs(rng, 1, T)
-    pool = random_states(rng, P, F32)
+    x = make_inputs(rng, 1, T, H)
+    pool = random_states(rng, P, H, F32)
     cu_j = jnp.asarray(cu, I32)
     out, new_pool, ckpts = jax_kda.kda_prefill(
         **x, cu_seqlens=cu_j, initial_state=pool, state_indices=jnp.asarray(idx, I32),
@@ -245,8 +204,8 @@ def test_decode_one_token_equals_prefill(rng):
     """t = 1, bf16 pool with a padding slot (f32 pools: the t = 3 and token-by-token tests)."""
     dtype = BF16
     N, P, idx = DECODE["N"], DECODE["P"], DECODE["idx"]
-    x = token_inputs(rng, N, 1)
-    pool = random_states(rng, P, dtype)
+    x = make_inputs(rng, N, 1, H)
+    pool = random_states(rng, P, H, dtype)
     out, new_pool, states = jax_kda.kda_decode(
         **x, state=pool, state_indices=jnp.asarray(idx, I32), output_intermediate_states=True,
         backend="reference")
@@ -269,8 +228,8 @@ def test_decode_three_tokens_equals_prefill_and_prefixes(rng):
     state of kda_prefill on the first i + 1 tokens."""
     N, P, t, idx = 3, 5, 3, [1, 4, -1]
     options = {"inverse": "neumann", "backend": "reference"}
-    x = token_inputs(rng, N, t)
-    pool = random_states(rng, P, F32)
+    x = make_inputs(rng, N, t, H)
+    pool = random_states(rng, P, H, F32)
     out, new_pool, states = jax_kda.kda_decode(
         **x, state=pool, state_indices=jnp.asarray(idx, I32), output_intermediate_states=True,
         **options)
@@ -294,8 +253,8 @@ def test_decode_sixteen_tokens_equals_prefill_and_chains_bitwise(rng):
     """t = 16 with one state per sequence (no pool): equal to kda_prefill; four chained steps are
     bitwise one 64-token prefill (16 is the chunk, so the chunk boundaries agree)."""
     N, t = 3, 16
-    x = token_inputs(rng, N, 4 * t)
-    state0 = random_states(rng, N, BF16)
+    x = make_inputs(rng, N, 4 * t, H)
+    state0 = random_states(rng, N, H, BF16)
     first = jax_kda.kda_decode(**decode_step(x, 0, t), state=state0, backend="reference")
     assert len(first) == 2  # no intermediate states asked for
     want = jax_kda.kda_prefill(**decode_step(x, 0, t), initial_state=state0,
@@ -323,9 +282,9 @@ TOKEN_BY_TOKEN_RMSE = 1.5e-2
 
 def test_decode_token_by_token_reaches_the_prefill_state(rng):
     N, P, T, idx = DECODE["N"], DECODE["P"], 64, DECODE["idx"]
-    x = token_inputs(rng, N, T)
+    x = make_inputs(rng, N, T, H)
     pools, outs = {}, {}
-    background = random_states(rng, P, F32)  # rows 1, 2, 4 are never indexed
+    background = random_states(rng, P, H, F32)  # rows 1, 2, 4 are never indexed
     for dtype in (BF16, F32):
         pool = background.astype(dtype).at[np.array([3, 0])].set(0)  # zero states for the sequences
         per_token = []
@@ -369,9 +328,9 @@ def test_vmap_of_decode_equals_a_loop(rng):
     jax_kda._batching) with the reference standing in on CPU; an index >= P under jit is padding
     and must not reach the next element's pool."""
     N, P = DECODE["N"], DECODE["P"]
-    xs = [token_inputs(rng, N, 1) for _ in range(2)]
+    xs = [make_inputs(rng, N, 1, H) for _ in range(2)]
     A_log, dt_bias = xs[0]["A_log"], xs[0]["dt_bias"]
-    pools = random_states(rng, 2 * P, BF16).reshape(2, P, H, 128, 128)
+    pools = random_states(rng, 2 * P, H, BF16).reshape(2, P, H, 128, 128)
     idxs = [DECODE["idx"], [1, 4, -1]]
     past = jnp.asarray([[i if i >= 0 else P + e for i in idx] for e, idx in enumerate(idxs)], I32)
 
@@ -393,9 +352,9 @@ def test_vmap_of_decode_equals_a_loop(rng):
 
 def _vmapped_packed_pool_prefill(rng, backend):
     cu, P, n, idx = (PACKED[k] for k in ("cu", "P", "n", "idx"))
-    xs = [token_inputs(rng, 1, cu[-1]) for _ in range(2)]
+    xs = [make_inputs(rng, 1, cu[-1], H) for _ in range(2)]
     A_log, dt_bias = xs[0]["A_log"], xs[0]["dt_bias"]
-    pools = random_states(rng, 2 * P, F32).reshape(2, P, H, 128, 128)
+    pools = random_states(rng, 2 * P, H, F32).reshape(2, P, H, 128, 128)
     idxs = [idx, [-1, 6, 0, 2, 5]]
     # under jit, indices >= P are padding like -1 (element 0's P + 1 must not reach element 1)
     past = jnp.asarray([[i if i >= 0 else P + 1 + e * 2**20 for i in idx] for e, idx
@@ -442,8 +401,8 @@ def cuda_path_lowerable(monkeypatch):
 def test_export_of_decode_round_trips_and_runs_the_cpu_part(rng, cuda_path_lowerable):
     pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
     N, P, idx = DECODE["N"], DECODE["P"], DECODE["idx"]
-    x = token_inputs(rng, N, 1)
-    pool = random_states(rng, P, BF16)
+    x = make_inputs(rng, N, 1, H)
+    pool = random_states(rng, P, H, BF16)
     fn = jax.jit(lambda x, pool, idx: jax_kda.kda_decode(
         **x, state=pool, state_indices=idx, output_intermediate_states=True, backend="auto"))
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
@@ -503,7 +462,8 @@ def test_checkpoint_offsets_helper():
     want = [0, 0, 1, 1, 2, 4]
     np.testing.assert_array_equal(jax_kda.checkpoint_offsets(cu, 16), want)
     np.testing.assert_array_equal(np.asarray(jax_kda.checkpoint_offsets(jnp.asarray(cu), 16)), want)
-    np.testing.assert_array_equal(jax_kda.checkpoint_offsets(cu.astype(np.int64), 32), [0, 0, 0, 0, 0, 1])
+    np.testing.assert_array_equal(jax_kda.checkpoint_offsets(cu.astype(np.int64), 32),
+                                  [0, 0, 0, 0, 0, 1])
     np.testing.assert_array_equal(jax_kda.checkpoint_offsets(np.arange(4) * 70, 32), [0, 2, 4, 6])
     np.testing.assert_array_equal(checkpoints.checkpoint_counts(np.array([0, 1, 16, 17, 33]), 16),
                                   [0, 0, 0, 1, 2])
@@ -581,8 +541,8 @@ def test_bad_pool_arguments_are_named(kw, error, match):
 def test_pool_index_values_are_checked_when_concrete(rng):
     """Outside jit the values are known: >= P and repeated rows are errors (before any compile);
     negative values are padding."""
-    x = token_inputs(rng, 2, 20)
-    pool = random_states(rng, 5, BF16)
+    x = make_inputs(rng, 2, 20, H)
+    pool = random_states(rng, 5, H, BF16)
     for bad, match in (([0, 5], r"state_indices must be < P = 5"),
                        ([2, 2], r"state_indices must not repeat a pool row")):
         with pytest.raises(ValueError, match=match):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from kda_testing import assert_bits, make_inputs, random_states
 
 import jax_kda
 from jax_kda import _launch, api
@@ -32,6 +33,7 @@ COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "
 B, T, H = 2, 20, 16
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(IN_SUBPROCESS, reason="this is the parent of the subprocess")
 def test_sharding_on_eight_virtual_cpu_devices():
     env = dict(os.environ, KDA_SHARDING_SUBPROCESS="1", JAX_PLATFORMS="cpu")
@@ -39,7 +41,8 @@ def test_sharding_on_eight_virtual_cpu_devices():
                         f" --xla_force_host_platform_device_count={DEVICES}").strip()
     run = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         "-k", "not test_sharding_on_eight_virtual_cpu_devices"], env=env, capture_output=True, text=True, timeout=1200, check=False,
+         "-k", "not test_sharding_on_eight_virtual_cpu_devices"],
+        env=env, capture_output=True, text=True, timeout=1200, check=False,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     report = run.stdout[-6000:] + run.stderr[-3000:]
@@ -51,17 +54,15 @@ def test_sharding_on_eight_virtual_cpu_devices():
 
 def make_args(b=B, t=T, h=H, seed=0, state_dtype=jnp.bfloat16, num_seqs=None):
     rng = np.random.default_rng(seed)
+    args = make_inputs(rng, b, t, h)
+    args["initial_state"] = random_states(rng, num_seqs or b, h, state_dtype, scale=1.0)
+    return args
 
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
-    return {
-        "q": bf16(b, t, h, 128), "k": bf16(b, t, h, 128), "v": bf16(b, t, h, 128),
-        "g": bf16(b, t, h, 128), "beta": bf16(b, t, h),
-        "A_log": jnp.asarray(rng.uniform(-1.5, 1.0, h), jnp.float32),
-        "dt_bias": jnp.asarray(rng.standard_normal((h, 128)), jnp.float32),
-        "initial_state": jnp.asarray(rng.standard_normal((num_seqs or b, h, 128, 128)), state_dtype),
-    }
+def run_compiled(fn, **kwargs):
+    """fn's results on kwargs and the text of its compiled program, from one compilation."""
+    compiled = fn.lower(**kwargs).compile()
+    return compiled(**kwargs), compiled.as_text()
 
 
 def head_mesh(axis_types=None):
@@ -71,11 +72,6 @@ def head_mesh(axis_types=None):
 def put_head_sharded(args, mesh):
     specs = jax_kda.sharding.head_specs("tp")
     return {name: jax.device_put(x, NamedSharding(mesh, specs[name])) for name, x in args.items()}
-
-
-def assert_bitwise(got, want):
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 _unsharded = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="reference"))
@@ -93,13 +89,11 @@ def test_sharded_equals_unsharded_without_collectives(backend):
     args = make_args()
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
                          output_final_state=True, backend=backend))
-    sharded_args = put_head_sharded(args, mesh)
-    out, state = fn(**sharded_args)
-    assert_bitwise((out, state), _unsharded(**args))
+    (out, state), hlo = run_compiled(fn, **put_head_sharded(args, mesh))
+    assert_bits((out, state), _unsharded(**args))
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), out.ndim)
     assert state.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), state.ndim)
     assert state.dtype == jnp.bfloat16
-    hlo = fn.lower(**sharded_args).compile().as_text()
     found = [c for c in COLLECTIVES if c in hlo]
     assert not found, found
 
@@ -111,7 +105,7 @@ def test_sharded_varlen_f32_state_from_replicated_inputs():
     cu = jnp.asarray([0, 16, 16, 37], jnp.int32)
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True))
     out, state = fn(**args, cu_seqlens=cu)  # unsharded inputs: shard_map slices them locally
-    assert_bitwise((out, state), _unsharded(**args, cu_seqlens=cu))
+    assert_bits((out, state), _unsharded(**args, cu_seqlens=cu))
     assert state.dtype == jnp.float32
 
 
@@ -125,9 +119,8 @@ def test_explicit_mesh_unsharded_inputs_without_initial_state(varlen):
     del args["initial_state"]
     extra = {"cu_seqlens": jnp.asarray([0, 5, 5, 37], jnp.int32)} if varlen else {}
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True))
-    got = fn(**args, **extra)
-    assert_bitwise(got, _unsharded(**args, **extra))
-    hlo = fn.lower(**args, **extra).compile().as_text()
+    got, hlo = run_compiled(fn, **args, **extra)
+    assert_bits(got, _unsharded(**args, **extra))
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -140,9 +133,8 @@ def test_context_mesh_with_explicit_axes(head_sharded):
     with jax.set_mesh(mesh):
         given = put_head_sharded(args, mesh) if head_sharded else args
         fn = jax.jit(partial(jax_kda.kda_prefill_sharded, output_final_state=True))
-        out, state = fn(**given)
-        hlo = fn.lower(**given).compile().as_text()
-    assert_bitwise((out, state), _unsharded(**args))
+        (out, state), hlo = run_compiled(fn, **given)
+    assert_bits((out, state), _unsharded(**args))
     if head_sharded:
         assert not [c for c in COLLECTIVES if c in hlo]
 
@@ -153,10 +145,8 @@ def test_two_dimensional_mesh_heads_on_one_axis():
     args = make_args(seed=3)
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
                          output_final_state=True))
-    sharded_args = put_head_sharded(args, mesh)
-    out, state = fn(**sharded_args)
-    assert_bitwise((out, state), _unsharded(**args))
-    hlo = fn.lower(**sharded_args).compile().as_text()
+    (out, state), hlo = run_compiled(fn, **put_head_sharded(args, mesh))
+    assert_bits((out, state), _unsharded(**args))
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -167,11 +157,9 @@ def test_plain_jit_on_head_sharded_inputs_partitions_over_heads(backend):
     mesh = head_mesh()
     args = make_args(seed=4)
     fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend=backend))
-    sharded_args = put_head_sharded(args, mesh)
-    out, state = fn(**sharded_args)
-    assert_bitwise((out, state), _unsharded(**args))
+    (out, state), hlo = run_compiled(fn, **put_head_sharded(args, mesh))
+    assert_bits((out, state), _unsharded(**args))
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), out.ndim)
-    hlo = fn.lower(**sharded_args).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -185,10 +173,8 @@ def test_plain_jit_explicit_mesh_without_initial_state(varlen):
     del args["initial_state"]
     extra = {"cu_seqlens": jnp.asarray([0, 5, 5, 37], jnp.int32)} if varlen else {}
     fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True))
-    sharded_args = put_head_sharded(args, mesh)
-    got = fn(**sharded_args, **extra)
-    assert_bitwise(got, _unsharded(**args, **extra))
-    hlo = fn.lower(**sharded_args, **extra).compile().as_text()
+    got, hlo = run_compiled(fn, **put_head_sharded(args, mesh), **extra)
+    assert_bits(got, _unsharded(**args, **extra))
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -215,11 +201,9 @@ def test_plain_jit_kernel_path_runs_on_local_heads(monkeypatch):
     mesh = head_mesh()
     args = make_args(seed=6)
     fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
-    sharded_args = put_head_sharded(args, mesh)
-    got = fn(**sharded_args)
-    assert_bitwise(got, _unsharded(**args))
+    got, hlo = run_compiled(fn, **put_head_sharded(args, mesh))
+    assert_bits(got, _unsharded(**args))
     assert H // DEVICES in core.heads and H not in core.heads[-1:], core.heads
-    hlo = fn.lower(**sharded_args).compile().as_text()
     assert not [c for c in COLLECTIVES if c in hlo]
 
 
@@ -231,8 +215,7 @@ def test_pools_checkpoints_and_decode_shard_over_heads():
     specs = jax_kda.sharding.head_specs("tp")
     args = make_args(b=1, t=40, seed=9)
     del args["initial_state"]
-    rng = np.random.default_rng(10)
-    pool = jnp.asarray(rng.standard_normal((5, H, 128, 128)), jnp.float32)
+    pool = random_states(np.random.default_rng(10), 5, H, scale=1.0)
     cu = jnp.asarray([0, 24, 24, 40], jnp.int32)
     idx = jnp.asarray([3, -1, 0], jnp.int32)
     prefill = partial(jax_kda.kda_prefill, cu_seqlens=cu, state_indices=idx,
@@ -241,12 +224,11 @@ def test_pools_checkpoints_and_decode_shard_over_heads():
     sharded = put_head_sharded(args, mesh)
     sharded_pool = jax.device_put(pool, NamedSharding(mesh, specs["initial_state"]))
     plain = jax.jit(prefill)
-    assert_bitwise(plain(**sharded, initial_state=sharded_pool), want)
     helper = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, cu_seqlens=cu,
                              state_indices=idx, output_final_state=True, checkpoint_every=16))
-    assert_bitwise(helper(**sharded, initial_state=sharded_pool), want)
-    for fn, kwargs in ((plain, {}), (helper, {})):
-        hlo = fn.lower(**sharded, initial_state=sharded_pool, **kwargs).compile().as_text()
+    for fn in (plain, helper):
+        got, hlo = run_compiled(fn, **sharded, initial_state=sharded_pool)
+        assert_bits(got, want)
         assert not [c for c in COLLECTIVES if c in hlo]
 
     step = make_args(b=3, t=2, seed=11)
@@ -256,15 +238,16 @@ def test_pools_checkpoints_and_decode_shard_over_heads():
     want = jax.jit(decode)(**step, state=pool_after)
     step_sharded = put_head_sharded(step, mesh)
     sharded_pool = jax.device_put(pool_after, NamedSharding(mesh, specs["initial_state"]))
-    assert_bitwise(jax.jit(decode)(**step_sharded, state=sharded_pool), want)
+    assert_bits(jax.jit(decode)(**step_sharded, state=sharded_pool), want)
     helper = jax.jit(partial(jax_kda.kda_decode_sharded, mesh=mesh, state_indices=idx))
-    assert_bitwise(helper(**step_sharded, state=sharded_pool), want)
+    assert_bits(helper(**step_sharded, state=sharded_pool), want)
 
 
 @on_virtual_devices
 def test_errors_name_the_problem():
     mesh = head_mesh()
-    with pytest.raises(ValueError, match=rf"H = 6 must be a multiple of the size of mesh axis 'tp' \({DEVICES}\)"):
+    not_divisible = rf"H = 6 must be a multiple of the size of mesh axis 'tp' \({DEVICES}\)"
+    with pytest.raises(ValueError, match=not_divisible):
         jax_kda.kda_prefill_sharded(**make_args(h=6), mesh=mesh)
     with pytest.raises(ValueError, match=r"head_axis 'model' is not an axis of the mesh"):
         jax_kda.kda_prefill_sharded(**make_args(), mesh=mesh, head_axis="model")
@@ -288,7 +271,8 @@ def test_cuda_lowering_runs_kernels_on_local_heads(monkeypatch, recurrence):
     text = fn.trace(**put_head_sharded(args, mesh)).lower(lowering_platforms=("cuda",)).as_text()
     local = H // DEVICES
     assert re.search(rf"custom_call @jax_kda_prepare_v1\(.*tensor<{B * T}x{local}x128xbf16>", text)
-    assert re.search(rf"custom_call @jax_kda_recurrence_v1\(.*tensor<{B}x{local}x128x128xbf16>", text)
+    assert re.search(rf"custom_call @jax_kda_recurrence_v1\(.*tensor<{B}x{local}x128x128xbf16>",
+                     text)
     # The launch heuristic ran on the local head count (the baseline kernel has no column split).
     want = 0 if recurrence == "baseline" else _launch.choose_block_v(num_seqs=B, heads=local)
     assert recurrence_block_v(text) == [want]
@@ -307,14 +291,14 @@ def test_sequence_parallel_shards_over_heads(monkeypatch):
     fn = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, head_axis="tp",
                          backend="reference", **options))
     want = jax.jit(partial(jax_kda.kda_prefill, backend="reference", **options))(**args)
-    assert_bitwise(fn(**put_head_sharded(args, mesh)), want)
+    assert_bits(fn(**put_head_sharded(args, mesh)), want)
     monkeypatch.setattr(api, "_require_kernels", lambda: None)
     kernel = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, backend="kernel", **options))
     text = kernel.trace(**put_head_sharded(args, mesh)).lower(
         lowering_platforms=("cuda",)).as_text()
     local = H // DEVICES
-    assert len(re.findall(rf"custom_call @jax_kda_prepare_fp32_v1\(.*tensor<{B * 70}x{local}x128xbf16>",
-                          text)) == 1
+    prepare = rf"custom_call @jax_kda_prepare_fp32_v1\(.*tensor<{B * 70}x{local}x128xbf16>"
+    assert len(re.findall(prepare, text)) == 1
     assert text.count("custom_call @jax_kda_recurrence_fp32_v1(") == 3
     assert not [c for c in ("all_gather", "all_to_all", "collective_permute", "all_reduce")
                 if c in text]
@@ -331,7 +315,7 @@ def test_gpu_one_device_mesh_equals_unsharded_kernel_call(kernel_gpus):
     kernel = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
     sharded = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True,
                               backend="kernel"))
-    assert_bitwise(sharded(**put_head_sharded(args, mesh)), kernel(**args))
+    assert_bits(sharded(**put_head_sharded(args, mesh)), kernel(**args))
     hlo = sharded.lower(**put_head_sharded(args, mesh)).compile().as_text()
     assert "jax_kda_recurrence_v1" in hlo
     assert not [c for c in COLLECTIVES if c in hlo]

@@ -3,7 +3,8 @@
 On CPU the kernels cannot run, so the folding rule is exercised with the pure-JAX reference as its
 core (`reference_core`): the vmapped result must equal a Python loop over the elements bit for bit,
 and the core must have been traced with the folded shape. The same rule on the real kernel path is
-checked by lowering for CUDA: a vmapped call holds exactly one prepare and one recurrence custom call.
+checked by lowering for CUDA: a vmapped call holds exactly one prepare and one recurrence custom
+call.
 """
 
 import re
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import make_inputs, random_states
 
 import jax_kda
 from jax_kda import _batching, _checks, _ffi, _kernel_path, _launch, contract, reference
@@ -19,21 +21,17 @@ from jax_kda import _batching, _checks, _ffi, _kernel_path, _launch, contract, r
 H = 2
 
 
-def bf16(rng, *shape):
-    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+def states(rng, n, rows, h=H):
+    """bf16 initial states [n, rows, h, 128, 128], a vmapped axis of n."""
+    return random_states(rng, n * rows, h, jnp.bfloat16, scale=1.0).reshape(n, rows, h, 128, 128)
 
 
 def make_batch(n, b, t, h=H, seed=0, state=True):
     """Inputs with a leading vmapped axis of size n on every argument."""
     rng = np.random.default_rng(seed)
-    return {
-        "q": bf16(rng, n, b, t, h, 128), "k": bf16(rng, n, b, t, h, 128),
-        "v": bf16(rng, n, b, t, h, 128), "g": bf16(rng, n, b, t, h, 128),
-        "beta": bf16(rng, n, b, t, h),
-        "A_log": jnp.asarray(rng.uniform(-1.5, 1.0, (n, h)), jnp.float32),
-        "dt_bias": jnp.asarray(rng.standard_normal((n, h, 128)), jnp.float32),
-        "state": bf16(rng, n, b, h, 128, 128) if state else None,
-    }
+    batch = jax.tree.map(lambda *x: jnp.stack(x), *(make_inputs(rng, b, t, h) for _ in range(n)))
+    batch["state"] = states(rng, n, b, h) if state else None
+    return batch
 
 
 class ReferenceCore:
@@ -144,7 +142,7 @@ def test_vmapped_head_parameters_fold_into_heads():
 def test_varlen_folds_into_sequences_shared_cu_seqlens():
     n = 3
     batch = make_batch(n, 1, VT, seed=3)
-    batch["state"] = bf16(np.random.default_rng(4), n, 3, H, 128, 128)
+    batch["state"] = states(np.random.default_rng(4), n, 3)
     result, loop, traced = run_vmap_and_loop(batch, DATA + ("state",), n, cu=varlen_cu([17, 0, 23]))
     assert_same_as_loop(result, loop)
     assert (1, n * VT, H, 128) in traced, traced
@@ -153,7 +151,7 @@ def test_varlen_folds_into_sequences_shared_cu_seqlens():
 def vmapped_cu_case(seed, mapped):
     n = 3
     batch = make_batch(n, 1, VT, seed=seed)
-    batch["state"] = bf16(np.random.default_rng(seed + 1), n, 3, H, 128, 128)
+    batch["state"] = states(np.random.default_rng(seed + 1), n, 3)
     args = {a: (batch[a] if a in mapped else batch[a][0]) for a in ORDER[:8]}
     args["cu"] = jnp.stack([varlen_cu([1, 39, 0]), varlen_cu([40, 0, 0]), varlen_cu([16, 3, 21])])
     mapped = mapped + ("cu",)
@@ -173,7 +171,8 @@ def test_varlen_with_vmapped_cu_seqlens_folds_into_sequences():
 
 
 def test_vmapped_head_parameters_and_cu_seqlens_run_one_after_another():
-    """No single call fits (heads and sequence boundaries differ): the lax.map fallback, still exact."""
+    """No single call fits (heads and sequence boundaries differ): the lax.map fallback, still
+    exact."""
     _, traced = vmapped_cu_case(7, DATA + ("A_log", "dt_bias", "state"))
     assert all(shape == (1, VT, H, 128) for shape in traced), traced
 
@@ -181,11 +180,10 @@ def test_vmapped_head_parameters_and_cu_seqlens_run_one_after_another():
 def test_nested_vmap_folds_both_axes():
     n1, n2 = 2, 2
     rng = np.random.default_rng(9)
-    x = {a: bf16(rng, n1, n2, B, T, H, 128) for a in ("q", "k", "v", "g")}
-    x["beta"] = bf16(rng, n1, n2, B, T, H)
-    x["state"] = bf16(rng, n1, n2, B, H, 128, 128)
-    A_log = jnp.asarray(rng.uniform(-1, 1, H), jnp.float32)
-    dt_bias = jnp.asarray(rng.standard_normal((H, 128)), jnp.float32)
+    x = make_inputs(rng, n1 * n2 * B, T, H)
+    A_log, dt_bias = x.pop("A_log"), x.pop("dt_bias")
+    x = {a: v.reshape(n1, n2, B, *v.shape[1:]) for a, v in x.items()}
+    x["state"] = states(rng, n1 * n2, B).reshape(n1, n2, B, H, 128, 128)
     names = DATA + ("state",)
     one = {a: x[a][0, 0] for a in names}
     one.update(A_log=A_log, dt_bias=dt_bias)
@@ -202,8 +200,10 @@ def test_nested_vmap_folds_both_axes():
     for i in range(n1):
         for j in range(n2):
             o, s = reference_one(*(x[a][i, j] for a in DATA), A_log, dt_bias, x["state"][i, j])
-            np.testing.assert_array_equal(np.asarray(out[i, j], np.float32), np.asarray(o, np.float32))
-            np.testing.assert_array_equal(np.asarray(state[i, j], np.float32), np.asarray(s, np.float32))
+            np.testing.assert_array_equal(np.asarray(out[i, j], np.float32),
+                                          np.asarray(o, np.float32))
+            np.testing.assert_array_equal(np.asarray(state[i, j], np.float32),
+                                          np.asarray(s, np.float32))
 
 
 # ------------------------------------------------------------------ through the public kda_prefill
@@ -225,7 +225,8 @@ def public_call(backend, **kw):
     return call
 
 
-@pytest.mark.parametrize("in_axes", [(0, 0, 0, 0, 0, None, None, 0), (2, 2, 2, 2, 2, None, None, None)])
+@pytest.mark.parametrize("in_axes", [(0, 0, 0, 0, 0, None, None, 0),
+                                     (2, 2, 2, 2, 2, None, None, None)])
 def test_public_kernel_path_folds_and_matches_loop(kernel_path_on_cpu, in_axes):
     n = 2
     batch = make_batch(n, B, T, seed=10)
@@ -313,7 +314,7 @@ def test_gpu_vmapped_kernels_equal_a_loop(varlen, kernel_gpus):
     batch = make_batch(n, 1 if varlen else 2, t, h=h, seed=12)
     cu = varlen_cu([17, 0, 283]) if varlen else None
     if varlen:
-        batch["state"] = bf16(np.random.default_rng(13), n, 3, h, 128, 128)
+        batch["state"] = states(np.random.default_rng(13), n, 3, h)
     names = DATA + ("state",)
 
     def call(q, k, v, g, beta, state, A_log, dt_bias):
