@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _state_pool
-from .problem import Problem
 from .checkpoints import checkpoint_offsets
+from .problem import Problem
 
 # Argument order of every function wrapped here (everything from `state` on may be None).
 ARG_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state", "cu", "state_indices",

@@ -8,7 +8,6 @@ the head partitioning (jax_kda._partitioning) and the vmap folding (jax_kda._bat
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax.numpy as jnp

@@ -38,6 +38,7 @@ from . import _launch
 from ._manual_axes import vary_like
 from .contract import CHUNK, HEAD_DIM
 
+
 def segment_length(longest: int, segments: int) -> int:
     """Tokens per segment when the longest sequence a call can hold (`longest` tokens) is cut
     into `segments`: a multiple of 16, so that segments hold whole chunks."""

@@ -21,8 +21,7 @@ import jax
 from jax import lax
 
 from . import _batching, _checks, _ffi, _kernel_path, _partitioning, _reference_path, _vjp
-from ._vjp import KdaInferenceOnlyError
-from .problem import DecodeProblem, Problem
+from .problem import Problem
 
 
 class KernelsUnavailableError(RuntimeError):

@@ -15,7 +15,7 @@ import pytest
 from kda_testing import bits, make_inputs, random_states
 
 import jax_kda
-from jax_kda import _kernel_path, _launch, contract, reference_fp32
+from jax_kda import _kernel_path, contract, reference_fp32
 from jax_kda.problem import Problem
 
 SCALE, LOWER = 128**-0.5, -5.0

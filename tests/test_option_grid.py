@@ -10,7 +10,6 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jax_kda
 from jax_kda import _ffi, api, options
