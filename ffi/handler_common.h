@@ -83,6 +83,11 @@ inline bool OneOf(int32_t value, std::span<const int32_t> values, std::string* l
 
 inline std::string InverseText(int inverse) { return "inverse=" + std::to_string(inverse); }
 
+// Names a PrepareVariant (kernel_registry.h) in error messages.
+inline std::string PrepareText(int variant) {
+  return InverseText(variant / 2) + (variant % 2 ? ", grouped q/k heads" : "");
+}
+
 // The gate attributes of the calls that run the prepare step (prepare, decode).
 inline std::string CheckGateAttrs(const char* call, float scale, float lower_bound,
                                   int32_t inverse) {

@@ -1,6 +1,7 @@
 // XLA FFI handlers for the prefill custom calls (docs/kernel_abi.md; serving_ffi.cc has the
 // pool recurrence and the decode step):
 //   jax_kda_prepare_v1          q, k, g, beta, A_log, dt_bias, cu_seqlens -> workspace
+//                               (q, k on Hk heads, the rest on H, a multiple: grouped heads)
 //   jax_kda_recurrence_v1       v, beta, workspace, cu_seqlens, state0   -> out, final_state
 //                               (block_v 16/32/64/128: column split; 0: the baseline kernel)
 //   jax_kda_prepare_fp32_v1     the same in the fp32 numerics mode: 23,040-byte records,
@@ -45,24 +46,27 @@ struct Fp32Mode {  // the fp32 numerics mode (docs/fp32_mode.md)
 // ---------------------------------------------------------------------------------------------
 // prepare
 
+// The instantiate stage sees no buffers, so it loads both the plain and the grouped-heads
+// specialisation of the inverse.
 template <typename Mode>
 ffi::Error PrepareInstantiateOf(float scale, float lower_bound, int32_t inverse) {
   JAX_KDA_RETURN_IF(CheckGateAttrs(Mode::kPrepare, scale, lower_bound, inverse));
-  if (std::string e = LoadOnActiveDevices(Mode::Prepares(), {inverse}); !e.empty()) {
-    return Internal(e);
-  }
+  std::string e = LoadOnActiveDevices(
+      Mode::Prepares(), {PrepareVariant(inverse, 0), PrepareVariant(inverse, 1)});
+  if (!e.empty()) return Internal(e);
   return ffi::Error::Success();
 }
 
 template <typename Mode>
-ffi::Error PrepareInitializeOf(cudaStream_t stream, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
-                             ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
-                             ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+ffi::Error PrepareInitializeOf(cudaStream_t stream, ffi::Buffer<ffi::BF16> q,
+                             ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16> g,
+                             ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                              ffi::Buffer<ffi::S32>, ffi::Result<ffi::Buffer<ffi::U8>>,
                              float scale, float lower_bound, int32_t inverse) {
   JAX_KDA_RETURN_IF(CheckGateAttrs(Mode::kPrepare, scale, lower_bound, inverse));
   const KernelSpec<PrepareArgs>* spec = nullptr;
-  std::string e = Resolve(Mode::Prepares(), Mode::kPrepare, InverseText, inverse, stream,
+  const int variant = PrepareVariant(inverse, HasGroupedHeads(q.dimensions(), g.dimensions(), 1));
+  std::string e = Resolve(Mode::Prepares(), Mode::kPrepare, PrepareText, variant, stream,
                           /*in_execute=*/false, &spec);
   if (!e.empty()) return Internal(e);
   return ffi::Error::Success();
@@ -77,12 +81,16 @@ ffi::Error PrepareExecuteOf(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
                           float lower_bound, int32_t inverse) {
   const char* call = Mode::kPrepare;
   JAX_KDA_RETURN_IF(CheckGateAttrs(call, scale, lower_bound, inverse));
-  int64_t t = 0, h = 0, n = 0;
-  JAX_KDA_RETURN_IF(CheckProblem(call, q.dimensions(), cu_seqlens.dimensions(), &t, &h, &n));
+  // T_total and Hk from q; H (the value heads of g, beta, A_log, dt_bias and the workspace) from
+  // g: a multiple of Hk
+  int64_t t = 0, hk = 0, n = 0, h = 0;
+  bool grouped = false;
+  JAX_KDA_RETURN_IF(CheckProblem(call, q.dimensions(), cu_seqlens.dimensions(), &t, &hk, &n));
+  JAX_KDA_RETURN_IF(CheckValueHeads(call, "g", g.dimensions(), 1, hk, &h, &grouped));
   const int64_t s = NumSlots(t, n);
   PrepareArgs a;
-  JAX_KDA_RETURN_IF(CheckOperand(call, "q", q, {t, h, kHeadDim}, 2, &a.q));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "k", k, {t, h, kHeadDim}, 2, &a.k));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "q", q, {t, hk, kHeadDim}, 2, &a.q));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "k", k, {t, hk, kHeadDim}, 2, &a.k));
   JAX_KDA_RETURN_IF(CheckOperand(call, "g", g, {t, h, kHeadDim}, 2, &a.g));
   JAX_KDA_RETURN_IF(CheckOperand(call, "beta", beta, {t, h}, 2, &a.beta));
   JAX_KDA_RETURN_IF(CheckOperand(call, "A_log", a_log, {h}, 1, &a.a_log));
@@ -95,8 +103,8 @@ ffi::Error PrepareExecuteOf(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::
   a.lower_bound = lower_bound;
   a.stream = stream;
   const KernelSpec<PrepareArgs>* spec = nullptr;
-  std::string e = Resolve(Mode::Prepares(), call, InverseText, inverse, stream,
-                          /*in_execute=*/true, &spec);
+  std::string e = Resolve(Mode::Prepares(), call, PrepareText, PrepareVariant(inverse, grouped),
+                          stream, /*in_execute=*/true, &spec);
   if (e.empty()) e = spec->launch(a);
   if (!e.empty()) return Internal(e);
   return ffi::Error::Success();

@@ -39,7 +39,7 @@ namespace {
   JAX_KDA_FILL(P, mState0, state0)                                                      \
   JAX_KDA_FILL(P, mOut, out)                                                            \
   JAX_KDA_FILL(P, mStateT, state_t)
-#define JAX_KDA_PREPARE(P, INVERSE, SM)                                                 \
+#define JAX_KDA_PREPARE(P, INVERSE, GROUPED, SM)                                        \
   std::string Launch_##P(const PrepareArgs& a) {                                        \
     JAX_KDA_PREPARE_FILLS(P)                                                            \
     JAX_KDA_LAUNCH_RESULT(P, cute_dsl_##P##_wrapper(nullptr, &mQ, &mK, &mG, &mBeta,     \
@@ -97,11 +97,12 @@ namespace {
                                                   &mALog, &mDtBias, &mStateIndices,     \
                                                   &mPool, &mOut, &mStates, a.scale,     \
                                                   a.lower_bound, a.stream))
-#define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, SM)                       \
+#define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, GROUPED, SM)              \
   std::string Launch_##P(const DecodeArgs& a) { JAX_KDA_DECODE_##INTERMEDIATE(P) }      \
   LoadState P##_state;
-// The fp32 numerics mode's kernels take the same operands as their bf16 counterparts.
-#define JAX_KDA_PREPARE_FP32(P, INVERSE, SM) JAX_KDA_PREPARE(P, INVERSE, SM)
+// The fp32 numerics mode's kernels take the same operands as their bf16 counterparts (and the
+// grouped specialisations those of the others: only q's and k's head count differs).
+#define JAX_KDA_PREPARE_FP32(P, INVERSE, GROUPED, SM) JAX_KDA_PREPARE(P, INVERSE, GROUPED, SM)
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM) JAX_KDA_RECURRENCE(P, BLOCK_V, SM)
 #define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM) \
   JAX_KDA_RECURRENCE_POOL(P, BLOCK_V, STATE_DTYPE, SM)
@@ -122,21 +123,22 @@ namespace {
 
 // Each table keeps the entries of one list macro: every macro is first defined empty, the
 // table's own one as an entry.
-#define JAX_KDA_PREPARE(P, INVERSE, SM)
+#define JAX_KDA_PREPARE(P, INVERSE, GROUPED, SM)
 #define JAX_KDA_RECURRENCE(P, BLOCK_V, SM)
 #define JAX_KDA_RECURRENCE_POOL(P, BLOCK_V, STATE_DTYPE, SM)
-#define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, SM)
-#define JAX_KDA_PREPARE_FP32(P, INVERSE, SM)
+#define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, GROUPED, SM)
+#define JAX_KDA_PREPARE_FP32(P, INVERSE, GROUPED, SM)
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM)
 #define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM)
 
 #undef JAX_KDA_PREPARE
-#define JAX_KDA_PREPARE(P, INVERSE, SM) JAX_KDA_ENTRY(P, INVERSE, SM)
+#define JAX_KDA_PREPARE(P, INVERSE, GROUPED, SM) \
+  JAX_KDA_ENTRY(P, PrepareVariant(INVERSE, GROUPED), SM)
 const KernelSpec<PrepareArgs> kPrepareSpecs[] = {
 #include "kernels_specs.inc"
     JAX_KDA_SENTINEL};
 #undef JAX_KDA_PREPARE
-#define JAX_KDA_PREPARE(P, INVERSE, SM)
+#define JAX_KDA_PREPARE(P, INVERSE, GROUPED, SM)
 
 #undef JAX_KDA_RECURRENCE
 #define JAX_KDA_RECURRENCE(P, BLOCK_V, SM) JAX_KDA_ENTRY(P, BLOCK_V, SM)
@@ -156,21 +158,22 @@ const KernelSpec<RecurrencePoolArgs> kRecurrencePoolSpecs[] = {
 #define JAX_KDA_RECURRENCE_POOL(P, BLOCK_V, STATE_DTYPE, SM)
 
 #undef JAX_KDA_DECODE
-#define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, SM) \
-  JAX_KDA_ENTRY(P, DecodeVariant(INVERSE, STATE_DTYPE, INTERMEDIATE), SM)
+#define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, GROUPED, SM) \
+  JAX_KDA_ENTRY(P, DecodeVariant(INVERSE, STATE_DTYPE, INTERMEDIATE, GROUPED), SM)
 const KernelSpec<DecodeArgs> kDecodeSpecs[] = {
 #include "kernels_specs.inc"
     JAX_KDA_SENTINEL};
 #undef JAX_KDA_DECODE
-#define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, SM)
+#define JAX_KDA_DECODE(P, INVERSE, STATE_DTYPE, INTERMEDIATE, GROUPED, SM)
 
 #undef JAX_KDA_PREPARE_FP32
-#define JAX_KDA_PREPARE_FP32(P, INVERSE, SM) JAX_KDA_ENTRY(P, INVERSE, SM)
+#define JAX_KDA_PREPARE_FP32(P, INVERSE, GROUPED, SM) \
+  JAX_KDA_ENTRY(P, PrepareVariant(INVERSE, GROUPED), SM)
 const KernelSpec<PrepareArgs> kPrepareFp32Specs[] = {
 #include "kernels_specs.inc"
     JAX_KDA_SENTINEL};
 #undef JAX_KDA_PREPARE_FP32
-#define JAX_KDA_PREPARE_FP32(P, INVERSE, SM)
+#define JAX_KDA_PREPARE_FP32(P, INVERSE, GROUPED, SM)
 
 #undef JAX_KDA_RECURRENCE_FP32
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM) JAX_KDA_ENTRY(P, BLOCK_V, SM)

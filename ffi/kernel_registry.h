@@ -45,8 +45,12 @@ struct KernelSpec {
 
 // The `variant` key of the specialisations with several attributes (ModuleEntry::variant).
 constexpr int PoolVariant(int block_v, int state_dtype) { return block_v * 2 + state_dtype; }
-constexpr int DecodeVariant(int inverse, int state_dtype, int intermediate) {
-  return (inverse * 2 + state_dtype) * 2 + intermediate;
+// The kernels that read q and k (prepare, decode) have a specialisation for grouped value heads
+// (q, k on Hk heads, H a multiple of Hk: docs/kernel_abi.md), keyed apart by the low bit.
+constexpr int GroupedVariant(int variant, int grouped) { return variant * 2 + grouped; }
+constexpr int PrepareVariant(int inverse, int grouped) { return GroupedVariant(inverse, grouped); }
+constexpr int DecodeVariant(int inverse, int state_dtype, int intermediate, int grouped) {
+  return GroupedVariant((inverse * 2 + state_dtype) * 2 + intermediate, grouped);
 }
 
 std::span<const KernelSpec<PrepareArgs>> PrepareSpecs();

@@ -5,7 +5,8 @@
 //   jax_kda_recurrence_fp32_pool_v1  the same operands in the fp32 numerics mode (23,040-byte
 //                               records; the state kept in f32 between the pool's reads/writes)
 //   jax_kda_decode_v1           q, k, v, g, beta, A_log, dt_bias, state_indices, pool
-//                               -> out, pool (aliased), states
+//                               -> out, pool (aliased), states (q, k on Hk heads, the rest on
+//                               H, a multiple: grouped heads)
 // Pools and checkpoints are bf16 or f32: the buffer's dtype picks the specialisation. Stages as
 // in kda_ffi.cc; the instantiate stage sees no buffers, so it loads both dtypes' modules.
 #include <cuda_runtime.h>
@@ -209,9 +210,10 @@ auto RecurrenceFp32PoolInstantiateBinding() { return RecurrencePoolInstantiateBi
 // ---------------------------------------------------------------------------------------------
 // decode
 
-std::string DecodeText(int variant) {
-  return InverseText(variant / 4) + ", " + DtypeText((variant / 2) % 2) + " pool" +
-         (variant % 2 ? ", intermediate states" : "");
+std::string DecodeText(int variant) {  // a DecodeVariant (kernel_registry.h)
+  return InverseText(variant / 8) + ", " + DtypeText((variant / 4) % 2) + " pool" +
+         ((variant / 2) % 2 ? ", intermediate states" : "") +
+         (variant % 2 ? ", grouped q/k heads" : "");
 }
 
 std::string CheckDecodeAttrs(float scale, float lower_bound, int32_t inverse,
@@ -226,9 +228,12 @@ std::string CheckDecodeAttrs(float scale, float lower_bound, int32_t inverse,
 ffi::Error DecodeInstantiate(float scale, float lower_bound, int32_t inverse,
                              int32_t intermediate) {
   JAX_KDA_RETURN_IF(CheckDecodeAttrs(scale, lower_bound, inverse, intermediate));
+  // no buffers here: both pool dtypes, with and without grouped q/k heads
   std::string e = LoadOnActiveDevices(DecodeSpecs(),
-                                      {DecodeVariant(inverse, kStateBf16, intermediate),
-                                       DecodeVariant(inverse, kStateF32, intermediate)});
+                                      {DecodeVariant(inverse, kStateBf16, intermediate, 0),
+                                       DecodeVariant(inverse, kStateF32, intermediate, 0),
+                                       DecodeVariant(inverse, kStateBf16, intermediate, 1),
+                                       DecodeVariant(inverse, kStateF32, intermediate, 1)});
   if (!e.empty()) return Internal(e);
   return ffi::Error::Success();
 }
@@ -246,7 +251,8 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q
   JAX_KDA_RETURN_IF(StateDtype(call, "pool", pool.element_type(), &dtype));
   JAX_KDA_RETURN_IF(StateDtype(call, "states (result)", states->element_type(), &states_dtype));
   if (states_dtype != dtype) return Internal("decode: states and pool differ in dtype");
-  const int variant = DecodeVariant(inverse, dtype, intermediate);
+  const bool grouped = HasGroupedHeads(q.dimensions(), v.dimensions(), 2);
+  const int variant = DecodeVariant(inverse, dtype, intermediate, grouped);
   const KernelSpec<DecodeArgs>* spec = nullptr;
   if (!execute) {
     std::string e = Resolve(DecodeSpecs(), "decode", DecodeText, variant, stream,
@@ -256,10 +262,14 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q
 
   auto q_dims = q.dimensions();
   if (q_dims.size() != 4 || q_dims[3] != kHeadDim) {
-    return ffi::Error::InvalidArgument("jax_kda: decode: q must be [N, t, H, 128], got " +
+    return ffi::Error::InvalidArgument("jax_kda: decode: q must be [N, t, Hk, 128], got " +
                                        DimsString(q_dims));
   }
-  const int64_t n = q_dims[0], t = q_dims[1], h = q_dims[2];
+  // N, t and Hk from q; H (the heads of v, g, beta, A_log, dt_bias, the pool and the results)
+  // from v: a multiple of Hk
+  const int64_t n = q_dims[0], t = q_dims[1], hk = q_dims[2];
+  int64_t h = 0;  // the variant above already knows whether Hk < H
+  JAX_KDA_RETURN_IF(CheckValueHeads(call, "v", v.dimensions(), 2, hk, &h, nullptr));
   if (t < 1 || t > kMaxDecodeTokens) {
     return ffi::Error::InvalidArgument("jax_kda: decode: t must lie in [1, " +
                                        std::to_string(kMaxDecodeTokens) + "], got " +
@@ -270,8 +280,8 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q
   }
   const int64_t p = pool.dimensions()[0];
   DecodeArgs a;
-  JAX_KDA_RETURN_IF(CheckOperand(call, "q", q, {n, t, h, kHeadDim}, 3, &a.q));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "k", k, {n, t, h, kHeadDim}, 3, &a.k));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "q", q, {n, t, hk, kHeadDim}, 3, &a.q));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "k", k, {n, t, hk, kHeadDim}, 3, &a.k));
   JAX_KDA_RETURN_IF(CheckOperand(call, "v", v, {n, t, h, kHeadDim}, 3, &a.v));
   JAX_KDA_RETURN_IF(CheckOperand(call, "g", g, {n, t, h, kHeadDim}, 3, &a.g));
   JAX_KDA_RETURN_IF(CheckOperand(call, "beta", beta, {n, t, h}, 3, &a.beta));

@@ -86,4 +86,32 @@ inline std::string CheckProblem(const char* call, xla::ffi::Span<const int64_t> 
   return {};
 }
 
+// Grouped value heads (docs/kernel_abi.md): q and k carry Hk = qk_heads heads, the other
+// head-carrying operands H heads, a positive multiple of Hk (H = Hk: not grouped). Reads H from
+// axis `axis` of operand `name` (`dims`) into *h; *grouped (if given) says whether H != Hk.
+inline std::string CheckValueHeads(const char* call, const char* name,
+                                   xla::ffi::Span<const int64_t> dims, size_t axis,
+                                   int64_t qk_heads, int64_t* h, bool* grouped) {
+  if (dims.size() <= axis) {
+    return std::string(call) + ": operand " + name + " has shape " + DimsString(dims) +
+           ", expected its heads on axis " + std::to_string(axis);
+  }
+  *h = dims[axis];
+  const bool ok = qk_heads == 0 ? *h == 0 : (*h > 0 && *h % qk_heads == 0);
+  if (!ok) {
+    return std::string(call) + ": operand " + name + " has " + std::to_string(*h) +
+           " heads, which must be a positive multiple of the " + std::to_string(qk_heads) +
+           " heads of q and k (grouped value heads)";
+  }
+  if (grouped != nullptr) *grouped = *h != qk_heads;
+  return {};
+}
+
+// Whether a call's q (`q_dims`) has fewer heads than `value_dims`, both on axis `axis`: which
+// specialisation the initialize stage loads (execute checks the shapes).
+inline bool HasGroupedHeads(xla::ffi::Span<const int64_t> q_dims,
+                            xla::ffi::Span<const int64_t> value_dims, size_t axis) {
+  return q_dims.size() > axis && value_dims.size() > axis && q_dims[axis] != value_dims[axis];
+}
+
 }  // namespace jax_kda

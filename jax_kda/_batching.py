@@ -8,7 +8,9 @@ them once per vmapped element. Instead `with_folding_vmap` gives the kernel path
 - varlen inputs (B = 1, cu_seqlens [N+1]): the n token streams are concatenated along T and
   cu_seqlens is offset per element, one call with n*N sequences (cu_seqlens may itself be vmapped);
 - A_log or dt_bias vmapped (per-element head parameters): the elements become extra heads, one call
-  with n*H heads (needs a transpose of the inputs, so it is used only when the parameters differ);
+  with n*H heads and n*Hk query/key heads, element i's heads after element i-1's on both, so that
+  its value heads still read its own query/key heads with grouped heads (needs a transpose of the
+  inputs, so it is used only when the parameters differ);
 - A_log/dt_bias vmapped together with cu_seqlens or state_indices: no single call fits; the
   elements run one after the other with lax.map (still the kernels, not JAX's fallback).
 
@@ -142,8 +144,11 @@ def _fold_into_heads(core, problem, n, x):
     def to_heads(a, head_axis):  # [n, ..., H, ...] -> [..., n*H, ...]; head_axis: H's index unvmapped
         if a is None:
             return None
-        a = jnp.moveaxis(a, 0, head_axis)  # [..., n, H, ...]: element i owns heads [i*H, (i+1)*H)
-        return a.reshape(a.shape[:head_axis] + (n * H,) + a.shape[head_axis + 2 :])
+        # [..., n, H or Hk, ...]: element i owns heads [i*H, (i+1)*H) (q, k: [i*Hk, (i+1)*Hk)),
+        # so its value head i*H + j reads query/key head (i*H + j) // G = i*Hk + j // G
+        a = jnp.moveaxis(a, 0, head_axis)
+        heads = a.shape[head_axis + 1]
+        return a.reshape(a.shape[:head_axis] + (n * heads,) + a.shape[head_axis + 2 :])
 
     def from_heads(a, head_axis):
         if a is None:
@@ -152,7 +157,7 @@ def _fold_into_heads(core, problem, n, x):
         return jnp.moveaxis(a, head_axis, 0)
 
     shared = lambda name: None if x[name] is None else x[name][0]  # not vmapped (checked above)
-    folded = dataclasses.replace(problem, heads=n * H)
+    folded = dataclasses.replace(problem, heads=n * H, qk_heads=n * problem.qk_heads)
     out, final, ckpts = with_folding_vmap(core, folded)(
         *(to_heads(x[a], 2) for a in _TOKEN_ARGS),
         to_heads(x["A_log"], 0), to_heads(x["dt_bias"], 0), to_heads(x["state"], 1),

@@ -80,15 +80,29 @@ def _check_bool(fn: str, name: str, value) -> None:
         raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__}")
 
 
-def _check_token_arrays(fn: str, arrays: dict, shape: tuple[int, ...], lead: str) -> None:
-    """q, k, v, g bf16 `shape` and beta bf16 shape[:3]; lead names the leading axes ("B, T")."""
-    for name, x in arrays.items():
-        if name == "beta":
-            _expect_dtype(fn, name, x, (jnp.bfloat16,))
-            _expect_shape(fn, name, x, shape[:3], f"[{lead}, H]")
-        else:
-            _expect_dtype(fn, name, x, (jnp.bfloat16,))
-            _expect_shape(fn, name, x, shape, f"[{lead}, H, 128] like q")
+def _check_token_arrays(fn: str, q, k, v, g, beta, lead: tuple[int, int], axes: str,
+                        ) -> tuple[int, int]:
+    """q, k bf16 [*lead, Hk, 128] (Hk from q); v, g bf16 [*lead, H, 128] (H from v) and beta
+    bf16 [*lead, H], with H a multiple of Hk (grouped value heads). axes names the leading
+    axes ("B, T"). Returns (Hk, H)."""
+    qk_heads = _shape_of(fn, "q", q)[2]
+    for name, x in (("q", q), ("k", k)):
+        _expect_dtype(fn, name, x, (jnp.bfloat16,))
+        _expect_shape(fn, name, x, (*lead, qk_heads, HEAD_DIM), f"[{axes}, Hk, 128] like q")
+    v_shape = _shape_of(fn, "v", v)
+    heads = v_shape[2] if len(v_shape) == 4 else qk_heads  # (a wrong rank fails just below)
+    for name, x in (("v", v), ("g", g)):
+        _expect_dtype(fn, name, x, (jnp.bfloat16,))
+        _expect_shape(fn, name, x, (*lead, heads, HEAD_DIM), f"[{axes}, H, 128] like v")
+    _expect_dtype(fn, "beta", beta, (jnp.bfloat16,))
+    _expect_shape(fn, "beta", beta, (*lead, heads), f"[{axes}, H]")
+    if heads < 1 or heads % qk_heads:
+        raise ValueError(
+            f"{fn}: the value heads H = {heads} (axis 2 of v, g and beta; A_log, dt_bias and the "
+            f"states likewise) must be a positive multiple of the query/key heads Hk = "
+            f"{qk_heads} (axis 2 of q and k): with grouped value heads, value head j reads "
+            f"query/key head j // (H // Hk)")
+    return qk_heads, heads
 
 
 def _check_head_params(fn: str, A_log, dt_bias, heads: int) -> None:
@@ -137,16 +151,16 @@ def check_prefill(
                                                checkpoint_every=checkpoint_every)
     q_shape = _shape_of(fn, "q", q)
     if len(q_shape) != 4:
-        raise ValueError(f"{fn}: q must have rank 4 [B, T, H, {HEAD_DIM}], got shape {q_shape}")
-    B, T, H, D = q_shape
+        raise ValueError(f"{fn}: q must have rank 4 [B, T, Hk, {HEAD_DIM}], got shape {q_shape}")
+    B, T, Hk, D = q_shape
     if D != HEAD_DIM:
         raise ValueError(
             f"{fn}: head dim must be {HEAD_DIM} (the last axis of q, k, v, g), got {D}"
         )
-    if min(B, T, H) < 1:
-        raise ValueError(f"{fn}: q's B, T and H (axes 0, 1, 2) must be >= 1, got shape {q_shape}")
-    _check_token_arrays(fn, {"q": q, "k": k, "v": v, "g": g, "beta": beta},
-                        (B, T, H, HEAD_DIM), "B, T")
+    if min(B, T, Hk) < 1:
+        raise ValueError(f"{fn}: q's B, T and Hk (axes 0, 1, 2) must be >= 1, got shape "
+                         f"{q_shape}")
+    Hk, H = _check_token_arrays(fn, q, k, v, g, beta, (B, T), "B, T")
     _check_head_params(fn, A_log, dt_bias, H)
     scale, lower_bound = _check_scalars(fn, scale, lower_bound)
     _check_bool(fn, "output_final_state", output_final_state)
@@ -188,7 +202,7 @@ def check_prefill(
             _check_state_indices(fn, state_indices, N, pool_rows)
     problem = Problem(B, T, H, N, varlen, state_dtype, scale, lower_bound, pool_rows,
                       checkpoint_every, checkpoint_capacity(B, T, varlen, checkpoint_every),
-                      numerics, inverse, recurrence, backend)
+                      numerics, inverse, recurrence, backend, qk_heads=Hk)
     return _sequence_parallel.with_segments(problem, segments)
 
 
@@ -201,8 +215,8 @@ def check_decode(
     options.check_backend(fn, backend)
     q_shape = _shape_of(fn, "q", q)
     if len(q_shape) != 4:
-        raise ValueError(f"{fn}: q must have rank 4 [N, t, H, {HEAD_DIM}], got shape {q_shape}")
-    N, t, H, D = q_shape
+        raise ValueError(f"{fn}: q must have rank 4 [N, t, Hk, {HEAD_DIM}], got shape {q_shape}")
+    N, t, Hk, D = q_shape
     if D != HEAD_DIM:
         raise ValueError(f"{fn}: head dim must be {HEAD_DIM} (the last axis of q), got {D}")
     if not 1 <= t <= MAX_DECODE_TOKENS:
@@ -210,10 +224,9 @@ def check_decode(
             f"{fn}: t (tokens per sequence, axis 1 of q) must lie in [1, {MAX_DECODE_TOKENS}] "
             f"(one chunk; use kda_prefill for more), got {t}"
         )
-    if N < 1 or H < 1:
-        raise ValueError(f"{fn}: q's N and H (axes 0 and 2) must be >= 1, got shape {q_shape}")
-    _check_token_arrays(fn, {"q": q, "k": k, "v": v, "g": g, "beta": beta},
-                        (N, t, H, HEAD_DIM), "N, t")
+    if N < 1 or Hk < 1:
+        raise ValueError(f"{fn}: q's N and Hk (axes 0 and 2) must be >= 1, got shape {q_shape}")
+    Hk, H = _check_token_arrays(fn, q, k, v, g, beta, (N, t), "N, t")
     _check_head_params(fn, A_log, dt_bias, H)
     scale, lower_bound = _check_scalars(fn, scale, lower_bound)
     _check_bool(fn, "output_intermediate_states", output_intermediate_states)
@@ -230,7 +243,7 @@ def check_decode(
         _check_state_indices(fn, state_indices, N, shape[0])
     return DecodeProblem(N, t, H, shape[0], state_indices is not None, np.dtype(state.dtype),
                          scale, lower_bound, bool(output_intermediate_states), numerics,
-                         inverse, backend)
+                         inverse, backend, qk_heads=Hk)
 
 
 def check_cu_seqlens_values(fn: str, cu_seqlens, total_tokens: int) -> None:

@@ -184,17 +184,31 @@ def _checked_cu_seqlens(cu_seqlens):
     return cu_seqlens
 
 
+def _value_heads(q, value, axis: int) -> int:
+    """H, the head count of `value` (g or v) on `axis`: a positive multiple of q's, Hk (grouped
+    value heads: value head h reads query/key head h // (H // Hk); H = Hk: not grouped)."""
+    if value.ndim <= axis:
+        raise ValueError(f"expected the value heads on axis {axis}, got shape {tuple(value.shape)}")
+    qk_heads, heads = q.shape[axis], value.shape[axis]
+    if heads < 1 or qk_heads < 1 or heads % qk_heads:
+        raise ValueError(f"the {heads} value heads must be a positive multiple of the "
+                         f"{qk_heads} heads of q and k")
+    return heads
+
+
 def _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse, numerics):
     """The prepare step's operands and `inverse` (checked); returns cu_seqlens as int32."""
     if q.ndim != 3:
-        raise ValueError(f"q: expected [T_total, H, 128], got shape {tuple(q.shape)}")
+        raise ValueError(f"q: expected [T_total, Hk, 128], got shape {tuple(q.shape)}")
     if inverse not in contract.INVERSE_IDS:
         raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
     assert numerics == "flashkda" or inverse == "stable"  # jax_kda.options
-    total, heads = q.shape[0], q.shape[1]
+    total, qk_heads = q.shape[0], q.shape[1]
+    heads = _value_heads(q, g, 1)
     cu_seqlens = _checked_cu_seqlens(cu_seqlens)
-    for name, x in (("q", q), ("k", k), ("g", g)):
-        _expect(name, x, jnp.bfloat16, (total, heads, HEAD_DIM))
+    for name, x in (("q", q), ("k", k)):
+        _expect(name, x, jnp.bfloat16, (total, qk_heads, HEAD_DIM))
+    _expect("g", g, jnp.bfloat16, (total, heads, HEAD_DIM))
     _expect("beta", beta, jnp.bfloat16, (total, heads))
     _expect("A_log", A_log, jnp.float32, (heads,))
     _expect("dt_bias", dt_bias, jnp.float32, (heads, HEAD_DIM))
@@ -204,11 +218,12 @@ def _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse, 
 def prepare_call(q, k, g, beta, A_log, dt_bias, cu_seqlens, *, scale, lower_bound, inverse,
                  numerics="flashkda"):
     """Custom call 1: per-chunk precomputation into the workspace uint8 [H, S, record bytes]
-    (13,824 in the flashkda mode, 23,040 in the fp32 mode)."""
+    (13,824 in the flashkda mode, 23,040 in the fp32 mode). q and k [T_total, Hk, 128], g, beta,
+    A_log, dt_bias on H heads, a multiple of Hk (grouped value heads)."""
     target, _, record_bytes, _ = _prefill_calls(numerics)
     cu_seqlens = _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse,
                                          numerics)
-    total, heads = q.shape[0], q.shape[1]
+    total, heads = g.shape[0], g.shape[1]
     slots = contract.workspace_slots(total, cu_seqlens.shape[0] - 1)
     workspace = jax.ShapeDtypeStruct((heads, slots, record_bytes), jnp.uint8)
     call = jax.ffi.ffi_call(target, workspace)
@@ -311,15 +326,19 @@ def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale,
                 inverse, intermediate_states):
     """The fused decode step (docs/kernel_abi.md): prepare and one chunk for t <= 16 tokens per
     sequence, sequence n's state read from and written back to pool[state_indices[n]] (in
-    place: aliased). Returns (out bf16 [N, t, H, 128], pool, states [N, t, H, 128, 128] in the
-    pool's dtype: the state after each token; an empty [0, t, H, 128, 128] array unless
+    place: aliased). q and k [N, t, Hk, 128], everything else on H heads, a multiple of Hk
+    (grouped value heads). Returns (out bf16 [N, t, H, 128], pool, states [N, t, H, 128, 128] in
+    the pool's dtype: the state after each token; an empty [0, t, H, 128, 128] array unless
     intermediate_states)."""
     if q.ndim != 4:
-        raise ValueError(f"q: expected [N, t, H, 128], got shape {tuple(q.shape)}")
-    num_seqs, tokens, heads = q.shape[:3]
+        raise ValueError(f"q: expected [N, t, Hk, 128], got shape {tuple(q.shape)}")
+    num_seqs, tokens, qk_heads = q.shape[:3]
+    heads = _value_heads(q, v, 2)
     if not 1 <= tokens <= contract.MAX_DECODE_TOKENS:
         raise ValueError(f"q: expected 1 <= t <= {contract.MAX_DECODE_TOKENS}, got t = {tokens}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+    for name, x in (("q", q), ("k", k)):
+        _expect(name, x, jnp.bfloat16, (num_seqs, tokens, qk_heads, HEAD_DIM))
+    for name, x in (("v", v), ("g", g)):
         _expect(name, x, jnp.bfloat16, (num_seqs, tokens, heads, HEAD_DIM))
     _expect("beta", beta, jnp.bfloat16, (num_seqs, tokens, heads))
     _expect("A_log", A_log, jnp.float32, (heads,))
@@ -329,7 +348,7 @@ def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale,
         raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
     states = (num_seqs if intermediate_states else 0, tokens, heads, HEAD_DIM, HEAD_DIM)
     results = (
-        jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+        jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
         jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         jax.ShapeDtypeStruct(states, pool.dtype),
     )

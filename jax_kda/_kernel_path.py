@@ -3,7 +3,9 @@ custom calls need (cu_seqlens for batched input, a zero state, identity pool ind
 resolved (once) for the size the kernels see, and the custom calls themselves (jax_kda._ffi).
 
 `prefill` and `decode` take arrays of exactly their problem's shapes: jax_kda.api runs them after
-the head partitioning (jax_kda._partitioning) and the vmap folding (jax_kda._batching).
+the head partitioning (jax_kda._partitioning) and the vmap folding (jax_kda._batching). With
+grouped value heads q and k reach the custom calls as they are, on problem.qk_heads heads: the
+prepare and decode kernels read query/key head j // G for value head j themselves.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from .problem import DecodeProblem, Problem
 
 
 def prepare_workspace(q, k, g, beta, A_log, dt_bias, cu, *, problem: Problem):
-    """The prepare kernel of problem.numerics on [B, T, ...] inputs: the workspace [H, slots,
-    record bytes]."""
+    """The prepare kernel of problem.numerics on [B, T, ...] inputs (q, k on Hk heads, g, beta,
+    A_log, dt_bias on H): the workspace [H, slots, record bytes]."""
     return _ffi.prepare_call(
         _flat(q), _flat(k), _flat(g), _flat(beta), A_log, dt_bias, cu,
         scale=problem.scale, lower_bound=problem.lower_bound, inverse=problem.inverse,
@@ -97,7 +99,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_off
         launch=launch, checkpoint_every=problem.checkpoint_every, numerics=problem.numerics,
     )
     ckpts = None if problem.checkpoint_every is None else vary_like(ckpts, v)
-    return vary_like(out.reshape(q.shape), v), vary_like(pool, v), ckpts
+    return vary_like(out.reshape(v.shape), v), vary_like(pool, v), ckpts
 
 
 def _fp32_on_rows(run, v, cu, state, state_indices, *, problem: Problem):
@@ -167,7 +169,8 @@ def _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
     prefill_problem = Problem(
         batch=N, seqlen=t, heads=H, num_seqs=N, varlen=False, state_dtype=problem.state_dtype,
         scale=problem.scale, lower_bound=problem.lower_bound,
-        pool_rows=problem.pool_rows if problem.indexed else None, numerics="fp32")
+        pool_rows=problem.pool_rows if problem.indexed else None, numerics="fp32",
+        qk_heads=problem.qk_heads)
     out, new_state, _ = prefill(q, k, v, g, beta, A_log, dt_bias, state, None, state_indices,
                                 None, problem=prefill_problem)
     return out, new_state, None
@@ -197,11 +200,11 @@ def _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices
     prefill_problem = Problem(
         batch=1, seqlen=N * prefix_tokens, heads=H, num_seqs=N * t, varlen=True,
         state_dtype=problem.state_dtype, scale=problem.scale, lower_bound=problem.lower_bound,
-        numerics="fp32")
+        numerics="fp32", qk_heads=problem.qk_heads)
     out, finals, _ = prefill(*packed, A_log, dt_bias, jnp.repeat(initial, t, axis=0),
                              jnp.asarray(cu, jnp.int32), None, None, problem=prefill_problem)
     longest = (seqs * prefix_tokens + prefix_start[-1] + np.arange(t)[None, :]).reshape(-1)
-    out = out[0, longest].reshape(q.shape)
+    out = out[0, longest].reshape(v.shape)
     states = finals.reshape((N, t) + finals.shape[1:])
     if not problem.indexed:
         return vary_like(out, v), vary_like(states[:, -1], v), vary_like(states, v)

@@ -12,6 +12,11 @@ Two mechanisms, chosen by what the inputs' types say at trace time:
   gather of q, k, v, ... and no H-times work. On one device the wrapper inlines the call, so a
   single-device jax.export holds no partitioning custom call; exporting a multi-device program
   needs the shard_map path (kda_prefill_sharded or explicit axes).
+
+Grouped value heads (q and k on Hk heads, the rest on H = G Hk) split together: the rule's head
+factor is q's and k's head axis and every other head axis is that factor times the replicated
+group factor, and shard_map splits every head axis over the same devices, so each device holds
+whole groups (value head j with query/key head j // G). The device count must divide Hk.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from .problem import Problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +77,21 @@ def _mesh_axes_size(mesh, mesh_axes) -> int:
 
 
 def local_problem(problem, devices: int):
-    """`problem` on one of `devices` devices that split its heads."""
-    return dataclasses.replace(problem, heads=problem.heads // devices)
+    """`problem` on one of `devices` devices that split its heads: H and Hk together, so that
+    each device holds whole groups of value heads with their query/key head."""
+    return dataclasses.replace(problem, heads=problem.heads // devices,
+                               qk_heads=problem.qk_heads // devices)
+
+
+def check_head_split(fn: str, problem, devices: int, mesh_axes) -> None:
+    """A clear error when `devices` (the size of mesh axes `mesh_axes`) does not divide the
+    query/key heads Hk (hence not the groups of value heads either)."""
+    if problem.qk_heads % devices:
+        grouped = (f" (each device must hold whole groups of H // Hk = {problem.group} value "
+                   "heads with their query/key head)" if problem.group > 1 else "")
+        raise ValueError(
+            f"{fn}: mesh axes {mesh_axes!r} split the heads over {devices} devices, which must "
+            f"divide q's and k's head count Hk = {problem.qk_heads}{grouped}")
 
 
 def over_heads(step, layout: Layout, arrays, problem):
@@ -117,8 +137,9 @@ def _partitioned(step, layout: Layout, problem, present, ranks):
         axis = layout.args[first]
         mesh_axes = spec[axis] if axis < len(spec) else None
         devices = _mesh_axes_size(mesh, mesh_axes)
-        if problem.heads % devices:
-            mesh_axes, devices = None, 1  # not divisible: every device runs every head
+        if problem.qk_heads % devices:
+            # not divisible (Hk, hence whole groups of value heads): every device runs every head
+            mesh_axes, devices = None, 1
         arg_shardings = tuple(
             NamedSharding(mesh, _head_spec(len(s.shape), layout.args[i], mesh_axes))
             for i, s in zip(present, arg_shapes))
@@ -129,8 +150,12 @@ def _partitioned(step, layout: Layout, problem, present, ranks):
         body = _local_body(step, local_problem(problem, devices), present, count)
         return mesh, body, out_shardings, arg_shardings
 
+    # One factor "h" for the query/key heads; a value-head axis is "(h g)", h major: value head
+    # j = h_j * G + g_j reads query/key head h_j = j // G, so splitting h splits every head axis
+    # into whole groups. g stays replicated.
+    group = problem.group
     factors = []
-    replicated = []
+    replicated = ["g"] if group > 1 else []
     for tag, axes, indices, rank_of in (
             ("i", layout.args, present, dict(zip(present, ranks))),
             ("o", layout.results, out_present, {i: len(shapes[i].shape) for i in out_present})):
@@ -138,7 +163,7 @@ def _partitioned(step, layout: Layout, problem, present, ranks):
             names = []
             for d in range(rank_of[i]):
                 if d == axes[i]:
-                    names.append("h")
+                    names.append("h" if group == 1 or (tag, i) in _QK_ARGS else "(h g)")
                 else:
                     name = f"{tag}{number}d{d}"
                     names.append(name)
@@ -146,9 +171,15 @@ def _partitioned(step, layout: Layout, problem, present, ranks):
             factors.append(" ".join(names))
     n_in = len(present)
     rule = ", ".join(factors[:n_in]) + " -> " + ", ".join(factors[n_in:])
+    sizes = {"g": group} if group > 1 else {}  # g appears only inside "(h g)"
     partitioned.def_partition(partition, sharding_rule=rule,
-                              need_replication_factors=tuple(replicated))
+                              need_replication_factors=tuple(replicated), **sizes)
     return partitioned
+
+
+# (tag, position) of the arguments on the query/key heads: q and k, positions 0 and 1 of both
+# layouts
+_QK_ARGS = {("i", 0), ("i", 1)}
 
 
 def explicit_head_mesh(x, head_axis: int):
@@ -175,13 +206,19 @@ def shard_over_heads(step, layout: Layout, arrays, problem, mesh, mesh_axes):
     problem with the local head count) and no collective runs. Inputs on meshes with Explicit
     axes are resharded to that layout first (a no-op where they already carry it)."""
     present = _present(arrays)
+    devices = _mesh_axes_size(mesh, mesh_axes)
+    check_head_split(_function_name(problem), problem, devices, mesh_axes)
     specs = [_head_spec(arrays[i].ndim, layout.args[i], mesh_axes) for i in present]
     given = [_placed(arrays[i], mesh, spec) for i, spec in zip(present, specs)]
     result_specs = tuple(_head_spec(rank, axis, mesh_axes)
                          for rank, axis in zip(layout.result_ranks, layout.results))
-    local = local_problem(problem, _mesh_axes_size(mesh, mesh_axes))
+    local = local_problem(problem, devices)
     run = functools.partial(_on_shard, step, present, len(arrays), local)
     return jax.shard_map(run, mesh=mesh, in_specs=tuple(specs), out_specs=result_specs)(*given)
+
+
+def _function_name(problem) -> str:
+    return "kda_prefill" if isinstance(problem, Problem) else "kda_decode"
 
 
 def _on_shard(step, present, count, problem, *xs):

@@ -1,6 +1,7 @@
 """The pure-JAX path of kda_prefill and kda_decode: jax_kda.reference on gathered pool rows, with
 the kernels' conventions for pools (padding slots read and write nothing, their outputs are
-zero) and checkpoints. Runs anywhere and is differentiable."""
+zero) and checkpoints; grouped value heads by repeating q and k to the value heads
+(jax_kda.head_groups). Runs anywhere and is differentiable."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _sequence_parallel, _state_pool, reference, reference_fp32
+from . import _sequence_parallel, _state_pool, head_groups, reference, reference_fp32
 from .checkpoints import checkpoint_offsets
 from .problem import DecodeProblem, Problem
 
@@ -20,6 +21,7 @@ from .problem import DecodeProblem, Problem
 def prefill(q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets=None, *,
             problem: Problem):
     """(out, final state or updated pool, checkpoints or None), as the kernel path returns."""
+    q, k = (head_groups.repeat_qk(x, problem.group) for x in (q, k))
     pooled = state_indices is not None
     state0 = _state_pool.gather(state, state_indices) if pooled else state
     if problem.numerics == "fp32":
@@ -88,6 +90,7 @@ def _padding_checkpoints(problem: Problem, cu, padding, offsets=None):
 def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem):
     """(out, new state or updated pool, intermediate states or None): the prefill reference on
     the t tokens (B = N, T = t), and on each prefix of them for the intermediate states."""
+    q, k = (head_groups.repeat_qk(x, problem.group) for x in (q, k))
     pooled = state_indices is not None
     state0 = _state_pool.gather(state, state_indices) if pooled else state
     prefill_reference = (reference_fp32.kda_prefill_reference_fp32 if problem.numerics == "fp32"

@@ -7,7 +7,8 @@ gradient of the exact KDA function (no rounding of either numerics mode is diffe
 by jax_kda.reference_backward's chunkwise algorithm run as XLA: it recomputes every chunk's state
 from the inputs, runs the reverse chain of the state gradient and the chunk-parallel gradients.
 Both numerics modes get this gradient; with numerics="flashkda" the forward stays bitwise
-FlashKDA's. docs/training.md says what is differentiated and how accurate it is.
+FlashKDA's. With grouped value heads the backward returns dq and dk on the Hk query/key heads:
+each is the sum of its G value heads' parts, in a fixed pairwise order (deterministic). docs/training.md says what is differentiated and how accurate it is.
 
 Reverse mode only (jax.grad, jax.vjp, jax.value_and_grad); forward mode (jvp, jacfwd) is refused
 by JAX for a custom VJP. Not differentiable, with KdaInferenceOnlyError when something asks for a

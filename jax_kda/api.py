@@ -46,7 +46,11 @@ def kda_prefill(
     """Kimi Delta Attention prefill (chunked delta-rule recurrence), forward only.
 
     Args:
-      q, k, v, g: bf16 [B, T, H, 128]; g is the raw gate.
+      q, k: bf16 [B, T, Hk, 128]. v, g: bf16 [B, T, H, 128]; g is the raw gate. Hk = H, or
+        grouped value heads (GVA): H a multiple of Hk, value head j reads query/key head
+        j // (H // Hk) (fla's convention; the kernels read each query/key head in place, and
+        the results are bitwise those of the call with q and k repeated to H heads). Every
+        other head-carrying argument and result has the H value heads.
       beta: bf16 [B, T, H], logits (sigmoid is applied inside).
       A_log: f32 [H]. dt_bias: f32 [H, 128].
       scale: output scale > 0, default 128 ** -0.5 (static).
@@ -107,11 +111,15 @@ def kda_prefill(
     checks); under jax.vmap the kernel path folds the vmapped axis into B, N or H and still makes
     one pair of kernel calls (jax_kda._batching). Reverse-mode derivatives (jax.grad, jax.vjp)
     are the gradient of the exact KDA function (jax_kda._vjp, docs/training.md): the forward is
-    the call's own, bitwise; pools, checkpoints and explicit sequence_parallel counts raise
+    the call's own, bitwise; with grouped heads dq and dk sum each query/key head's G value
+    heads in a fixed pairwise order (deterministic); pools, checkpoints and explicit
+    sequence_parallel counts raise
     KdaInferenceOnlyError; backend="reference" is plain JAX autodiff. Donating initial_state (jax.jit(..., donate_argnames=
     "initial_state")) lets the final state reuse its buffer. Under jax.jit, inputs sharded over
     heads are partitioned over heads: each device runs its local heads (jax_kda._partitioning);
-    jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports.
+    jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports (a head split
+    keeps whole groups of value heads with their query/key head on one device: the device count
+    must divide Hk).
     """
     problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
@@ -145,8 +153,9 @@ def kda_decode(
     Bitwise equal to kda_prefill on the same tokens (B = N, T = t) with the same states.
 
     Args:
-      q, k, v, g: bf16 [N, t, H, 128], 1 <= t <= 16 (static). beta: bf16 [N, t, H] logits.
-      A_log: f32 [H]. dt_bias: f32 [H, 128].
+      q, k: bf16 [N, t, Hk, 128]; v, g: bf16 [N, t, H, 128], 1 <= t <= 16 (static); Hk = H or
+        grouped value heads as in kda_prefill (value head j reads query/key head j // (H // Hk)).
+      beta: bf16 [N, t, H] logits. A_log: f32 [H]. dt_bias: f32 [H, 128].
       state: bf16 or f32 [N, H, 128, 128], or with state_indices a pool [P, H, 128, 128].
       state_indices: None or int32 [N]: sequence n reads and writes pool row state_indices[n];
         rows not indexed are untouched; a negative index (or, under jit, one >= P) marks a

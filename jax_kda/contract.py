@@ -75,7 +75,7 @@ STATE_DTYPE_IDS = {"bf16": 0, "f32": 1}  # state pools and checkpoints (chosen b
 MAX_DECODE_TOKENS = CHUNK  # the decode kernel runs one chunk: up to 16 tokens per sequence
 
 # ---- targets and architectures ------------------------------------------------------------------
-ABI_VERSION = 5  # bumped whenever docs/kernel_abi.md changes incompatibly
+ABI_VERSION = 6  # bumped whenever docs/kernel_abi.md changes incompatibly
 PREPARE_TARGET = "jax_kda_prepare_v1"
 RECURRENCE_TARGET = "jax_kda_recurrence_v1"
 # The recurrence on a state pool (state_indices, bf16 or f32 rows updated in place), with

@@ -2,6 +2,11 @@
 options), shared by every step of the call path: partitioning over heads and vmap folding
 rewrite it for the arrays they hand on, and the backends read it.
 
+Heads: `heads` (H) is the head count of v, g, beta, A_log, dt_bias, the states and the outputs;
+`qk_heads` (Hk) that of q and k, H itself or a divisor of it (grouped value heads: value head j
+reads query/key head j // (H // Hk), fla's convention). Whatever splits or stacks heads rewrites
+both together.
+
 Both types are frozen and hashable, so they key compiled programs and travel as static
 arguments.
 """
@@ -40,6 +45,15 @@ class Problem:
     # sequence, or plan_segments: the kernel path plans it for the size it sees
     segment_length: int | None = None
     plan_segments: bool = False
+    qk_heads: int | None = None  # Hk; None: H (no grouping)
+
+    def __post_init__(self):
+        _fill_qk_heads(self)
+
+    @property
+    def group(self) -> int:
+        """G = H // Hk, the value heads per query/key head (1: not grouped)."""
+        return self.heads // self.qk_heads
 
     @property
     def plain(self) -> bool:
@@ -75,6 +89,15 @@ class DecodeProblem:
     numerics: str = "flashkda"
     inverse: str = "stable"
     backend: str = "auto"
+    qk_heads: int | None = None  # Hk; None: H (no grouping)
+
+    def __post_init__(self):
+        _fill_qk_heads(self)
+
+    @property
+    def group(self) -> int:
+        """G = H // Hk, the value heads per query/key head (1: not grouped)."""
+        return self.heads // self.qk_heads
 
     def result_shapes(self):
         """(out, new state or pool, intermediate states or None) as ShapeDtypeStructs."""
@@ -85,3 +108,12 @@ class DecodeProblem:
         return (jax.ShapeDtypeStruct(per_token + (HEAD_DIM,), jnp.bfloat16),
                 jax.ShapeDtypeStruct((self.pool_rows, self.heads, HEAD_DIM, HEAD_DIM),
                                      self.state_dtype), states)
+
+
+def _fill_qk_heads(problem) -> None:
+    """qk_heads None -> heads; otherwise a divisor of heads (the checks guarantee it)."""
+    if problem.qk_heads is None:
+        object.__setattr__(problem, "qk_heads", problem.heads)
+    if problem.qk_heads < 1 or problem.heads % problem.qk_heads:
+        raise ValueError(f"heads = {problem.heads} must be a multiple of qk_heads = "
+                         f"{problem.qk_heads}")

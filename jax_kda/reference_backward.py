@@ -92,6 +92,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import head_groups
 from ._manual_axes import vary_like
 from .contract import CHUNK, HEAD_DIM
 
@@ -371,6 +372,14 @@ class Gradients(NamedTuple):
 def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
                         d_final_state, *, scale=None, lower_bound=-5.0, unroll=1) -> Gradients:
     """kda_prefill_vjp with every gradient in f32 (before the rounding to the primals' dtypes)."""
+    group = head_groups.group_size(q.shape[2], v.shape[2])
+    if group > 1:  # grouped value heads: the gradient of the call on q, k repeated ...
+        grads = kda_prefill_vjp_f32(
+            *(head_groups.repeat_qk(x, group) for x in (q, k)), v, g, beta, A_log, dt_bias,
+            initial_state, cu_seqlens, d_out, d_final_state, scale=scale,
+            lower_bound=lower_bound, unroll=unroll)
+        # ... summed over each group of G value heads, a pairwise tree in a fixed order
+        return grads._replace(dq=_sum_groups(grads.dq, group), dk=_sum_groups(grads.dk, group))
     B, T, H, D = q.shape
     if D != HEAD_DIM:
         raise ValueError(f"head dim must be {HEAD_DIM}, got {D}")
@@ -416,12 +425,21 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
         dinitial_state=None if initial_state is None else dS0)
 
 
+def _sum_groups(x, group: int):
+    """[B, T, Hk * G, 128] -> [B, T, Hk, 128]: the sum over each query/key head's G value heads
+    (tree_sum: deterministic, the same order on every backend and run)."""
+    B, T, H, D = x.shape
+    return tree_sum(x.reshape(B, T, H // group, group, D), 3)
+
+
 def kda_prefill_vjp(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
                     d_final_state, *, scale=None, lower_bound=-5.0, unroll=1) -> Gradients:
     """Gradients of the exact KDA prefill (the module docstring's algorithm).
 
     Args:
-      q, k, v, g: [B, T, H, 128]; beta: [B, T, H] logits; A_log [H]; dt_bias [H, 128];
+      q, k: [B, T, Hk, 128], v, g: [B, T, H, 128] (Hk = H, or grouped value heads: value head j
+        reads query/key head j // (H // Hk), and dq, dk sum the G = H // Hk value heads' parts
+        in a fixed pairwise order); beta: [B, T, H] logits; A_log [H]; dt_bias [H, 128];
         initial_state: [N, H, 128, 128] or None (zeros); cu_seqlens: None or int [N+1] with B == 1
         (values may be traced; clamped into [0, T] as in the forward): kda_prefill's inputs.
       d_out: cotangent of out [B, T, H, 128], or None (zero).

@@ -1,10 +1,12 @@
 """kda_prefill and kda_decode on head-sharded arrays over an explicit mesh, with no collectives.
 
 KDA heads are independent: every input except cu_seqlens and state_indices carries the head axis
-H, and so do the outputs. `kda_prefill_sharded` runs kda_prefill under `jax.shard_map` with q, k,
-v, g, beta, A_log, dt_bias, initial_state (or the state pool), out, the final state and the
-checkpoints split on H over one mesh axis, so each device runs the kernels on its own
-H / devices heads (the launch heuristic sees the local head count) and nothing crosses devices.
+H (q and k: Hk, with grouped value heads), and so do the outputs. `kda_prefill_sharded` runs
+kda_prefill under `jax.shard_map` with q, k, v, g, beta, A_log, dt_bias, initial_state (or the
+state pool), out, the final state and the checkpoints split on H over one mesh axis, so each
+device runs the kernels on its own H / devices heads (the launch heuristic sees the local head
+count; with grouped heads each device holds whole groups, Hk / devices query/key heads) and
+nothing crosses devices.
 cu_seqlens and state_indices are replicated. Arrays given in another layout are resharded to
 this one (on meshes with Explicit axes) or by shard_map itself (Auto axes).
 
@@ -30,9 +32,9 @@ import jax
 from . import _checks, api
 
 
-def _head_mesh(fn: str, mesh, head_axis: str, heads: int):
+def _head_mesh(fn: str, mesh, head_axis: str, problem):
     """(mesh, head_axis), checked: the mesh (or the context mesh) has the axis and its size
-    divides the head count."""
+    divides the head counts (Hk, hence H = G Hk: each device holds whole groups)."""
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
@@ -44,9 +46,12 @@ def _head_mesh(fn: str, mesh, head_axis: str, heads: int):
             f"{fn}: head_axis {head_axis!r} is not an axis of the mesh (axes {mesh.axis_names})"
         )
     devices = mesh.shape[head_axis]
-    if heads % devices:
+    if problem.qk_heads % devices:
+        what = (f"H = {problem.heads}" if problem.group == 1 else
+                f"Hk = {problem.qk_heads} of q and k (each device holds whole groups of "
+                f"H // Hk = {problem.group} value heads with their query/key head)")
         raise ValueError(
-            f"{fn}: the head count H = {heads} must be a multiple of the size of mesh axis "
+            f"{fn}: the head count {what} must be a multiple of the size of mesh axis "
             f"{head_axis!r} ({devices})"
         )
     return mesh, head_axis
@@ -63,7 +68,9 @@ def kda_prefill_sharded(
     Args:
       q ... backend: as kda_prefill, checked as kda_prefill checks them (on the global shapes).
       mesh: a Mesh or AbstractMesh, or None for the context mesh (jax.set_mesh).
-      head_axis: the mesh axis that splits H; H must be a multiple of its size.
+      head_axis: the mesh axis that splits H (and q's and k's Hk with it: each device holds whole
+        groups of H // Hk value heads with their query/key head); Hk must be a multiple of its
+        size.
 
     Returns:
       as kda_prefill, every result sharded on H over head_axis.
@@ -78,7 +85,7 @@ def kda_prefill_sharded(
     cu = None if cu_seqlens is None else cu_seqlens.astype("int32")
     arrays = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu, state_indices, None)
     out, final_state, checkpoints = api.run_checked(
-        arrays, problem, mesh=_head_mesh(fn, mesh, head_axis, problem.heads))
+        arrays, problem, mesh=_head_mesh(fn, mesh, head_axis, problem))
     final_state = final_state if output_final_state else None
     if checkpoint_every is None:
         return out, final_state
@@ -99,7 +106,7 @@ def kda_decode_sharded(
         numerics=numerics, inverse=inverse, backend=backend, fn=fn)
     arrays = (q, k, v, g, beta, A_log, dt_bias, state, state_indices)
     out, new_state, states = api.run_checked(
-        arrays, problem, mesh=_head_mesh(fn, mesh, head_axis, problem.heads))
+        arrays, problem, mesh=_head_mesh(fn, mesh, head_axis, problem))
     if output_intermediate_states:
         return out, new_state, states
     return out, new_state

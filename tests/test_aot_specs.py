@@ -37,7 +37,7 @@ def test_every_recurrence_kernel_goes_into_the_recurrence_table(tmp_path):
     lines = (tmp_path / "kernels_specs.inc").read_text().splitlines()
     assert "JAX_KDA_RECURRENCE(jax_kda_recurrence_baseline_sm90a, 0, 90)" in lines
     assert "JAX_KDA_RECURRENCE(jax_kda_recurrence_bv16_sm90a, 16, 90)" in lines
-    assert "JAX_KDA_PREPARE(jax_kda_prepare_neumann_sm90a, 1, 90)" in lines
+    assert "JAX_KDA_PREPARE(jax_kda_prepare_neumann_sm90a, 1, 0, 90)" in lines
     headers = (tmp_path / "kernels_headers.inc").read_text()
     assert '#include "jax_kda_recurrence_baseline_sm90a.h"' in headers
 
@@ -46,7 +46,7 @@ def test_fp32_mode_kernels_have_their_own_tables(tmp_path):
     chosen = specs.all_specs(("sm_90a",))
     fp32 = [s for s in chosen if s.kernel.endswith("_fp32")]
     assert sorted(s.prefix for s in fp32) == sorted(
-        ["jax_kda_prepare_fp32_sm90a"]
+        ["jax_kda_prepare_fp32_sm90a", "jax_kda_prepare_fp32_grouped_sm90a"]
         + [f"jax_kda_recurrence_fp32_bv{bv}_sm90a" for bv in contract.COLUMN_SPLITS]
         + [f"jax_kda_recurrence_fp32_pool_{dt}_bv{bv}_sm90a" for bv in contract.COLUMN_SPLITS
            for dt in contract.STATE_DTYPE_IDS])
@@ -57,8 +57,9 @@ def test_fp32_mode_kernels_have_their_own_tables(tmp_path):
     build._write_spec_lists(tmp_path, chosen)
     lines = (tmp_path / "kernels_specs.inc").read_text().splitlines()
     # the prepare's inverse attribute is the stable id; recurrences are keyed by block_v
-    assert (f"JAX_KDA_PREPARE_FP32(jax_kda_prepare_fp32_sm90a, {contract.INVERSE_IDS['stable']}, 90)"
-            in lines)
+    stable = contract.INVERSE_IDS["stable"]
+    assert f"JAX_KDA_PREPARE_FP32(jax_kda_prepare_fp32_sm90a, {stable}, 0, 90)" in lines
+    assert f"JAX_KDA_PREPARE_FP32(jax_kda_prepare_fp32_grouped_sm90a, {stable}, 1, 90)" in lines
     assert "JAX_KDA_RECURRENCE_FP32(jax_kda_recurrence_fp32_bv64_sm90a, 64, 90)" in lines
     f32_id = contract.STATE_DTYPE_IDS["f32"]
     assert (f"JAX_KDA_RECURRENCE_FP32_POOL(jax_kda_recurrence_fp32_pool_f32_bv16_sm90a, 16, "
@@ -67,6 +68,30 @@ def test_fp32_mode_kernels_have_their_own_tables(tmp_path):
     assert not any(line.startswith(("JAX_KDA_PREPARE(", "JAX_KDA_RECURRENCE(",
                                     "JAX_KDA_RECURRENCE_POOL("))
                    and "fp32" in line for line in lines)
+
+
+def test_grouped_value_heads_add_specialisations_of_the_kernels_that_read_q_and_k(tmp_path):
+    """prepare (both modes) and decode have a grouped specialisation each (q, k on fewer heads);
+    every existing specialisation keeps its name, options and X-macro values (plus grouped = 0)."""
+    chosen = specs.all_specs(("sm_90a",))
+    grouped = [s for s in chosen if s.grouped]
+    assert sorted(s.prefix for s in grouped) == sorted(
+        ["jax_kda_prepare_stable_grouped_sm90a", "jax_kda_prepare_neumann_grouped_sm90a",
+         "jax_kda_prepare_fp32_grouped_sm90a"]
+        + [f"jax_kda_decode_{inv}_{dt}{st}_grouped_sm90a" for inv in contract.INVERSE_IDS
+           for dt in contract.STATE_DTYPE_IDS for st in ("", "_states")])
+    assert {s.kernel for s in grouped} == {"prepare", "prepare_fp32", "decode"}
+    assert all(s.options["grouped"] for s in grouped)
+    plain = {s.prefix for s in chosen if not s.grouped}
+    assert len(plain) == 36 and {s.prefix.replace("_grouped", "") for s in grouped} <= plain
+    build._write_spec_lists(tmp_path, chosen)
+    lines = (tmp_path / "kernels_specs.inc").read_text().splitlines()
+    assert "JAX_KDA_PREPARE(jax_kda_prepare_stable_grouped_sm90a, 0, 1, 90)" in lines
+    assert "JAX_KDA_PREPARE(jax_kda_prepare_stable_sm90a, 0, 0, 90)" in lines
+    f32 = contract.STATE_DTYPE_IDS["f32"]
+    assert (f"JAX_KDA_DECODE(jax_kda_decode_neumann_f32_states_grouped_sm90a, 1, {f32}, 1, 1, 90)"
+            in lines)
+    assert f"JAX_KDA_DECODE(jax_kda_decode_neumann_f32_sm90a, 1, {f32}, 0, 0, 90)" in lines
 
 
 def test_the_command_line_cmake_runs_lists_every_prefix():

@@ -66,7 +66,7 @@ def test_decode_names_a_non_array(name, bad):
 @pytest.mark.parametrize("shape", [(0, T, H), (B, 0, H), (B, T, 0)])
 def test_empty_axes_are_named(shape, backend):
     args = make_args(*shape)
-    with pytest.raises(ValueError, match=r"q's B, T and H .* must be >= 1"):
+    with pytest.raises(ValueError, match=r"q's B, T and Hk .* must be >= 1"):
         jax_kda.kda_prefill(**args, backend=backend)
 
 

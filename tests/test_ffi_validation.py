@@ -204,6 +204,43 @@ def test_prepare_rejects(change, message):
     assert error is not None and message in error, error
 
 
+def decode(q=(BF16, (N, 3, H, 128)), k=(BF16, (N, 3, H, 128)), v=(BF16, (N, 3, H, 128)),
+           g=(BF16, (N, 3, H, 128)), beta=(BF16, (N, 3, H)), a_log=(F32, (H,)),
+           dt_bias=(F32, (H, 128)), idx=(S32, (N,)), pool=(BF16, (4, H, 128, 128)),
+           out=(BF16, (N, 3, H, 128)), pool_out=(BF16, (4, H, 128, 128)),
+           states=(BF16, (0, 3, H, 128, 128))):
+    return _call("JaxKdaDecodeV1Execute", [q, k, v, g, beta, a_log, dt_bias, idx, pool],
+                 [out, pool_out, states], {"scale": f32(0.088), "lower_bound": f32(-5.0),
+                                           "inverse": i32(0), "intermediate": i32(0)})
+
+
+# Grouped value heads: q and k on Hk = 1 head, everything else on H = 2
+HK = 1
+GROUPED_PREPARE = {"q": (BF16, (T, HK, 128)), "k": (BF16, (T, HK, 128))}
+GROUPED_DECODE = {"q": (BF16, (N, 3, HK, 128)), "k": (BF16, (N, 3, HK, 128))}
+
+
+@pytest.mark.parametrize("call,change,message", [
+    (prepare, {"q": (BF16, (T, 3, 128)), "k": (BF16, (T, 3, 128))},
+     "prepare: operand g has 2 heads, which must be a positive multiple of the 3 heads of q and k"),
+    (prepare, {**GROUPED_PREPARE, "k": (BF16, (T, H, 128))},
+     "prepare: operand k has shape [40, 2, 128], expected [40, 1, 128]"),
+    (prepare, {**GROUPED_PREPARE, "beta": (BF16, (T, HK))},
+     "operand beta has shape [40, 1], expected [40, 2]"),
+    (prepare, {**GROUPED_PREPARE, "ws": (U8, (HK, S, 13824))},
+     "operand workspace (result) has shape [1, 5, 13824], expected [2, 5, 13824]"),
+    (decode, {"q": (BF16, (N, 3, 3, 128)), "k": (BF16, (N, 3, 3, 128))},
+     "decode: operand v has 2 heads, which must be a positive multiple of the 3 heads of q and k"),
+    (decode, {**GROUPED_DECODE, "k": (BF16, (N, 3, H, 128))},
+     "decode: operand k has shape [2, 3, 2, 128], expected [2, 3, 1, 128]"),
+    (decode, {**GROUPED_DECODE, "out": (BF16, (N, 3, HK, 128))},
+     "operand out (result) has shape [2, 3, 1, 128], expected [2, 3, 2, 128]"),
+])
+def test_grouped_heads_are_checked(call, change, message):
+    error = call(**change)
+    assert error is not None and message in error, error
+
+
 def test_wrong_dtype_is_refused_by_the_binding():
     error = recurrence(v=(F32, (T, H, 128)))
     assert error is not None and "BF16" in error and "F32" in error, error
@@ -247,7 +284,11 @@ def test_misaligned_operand_is_refused():
     recurrence, prepare,
     lambda: recurrence(block_v=i32(0)),  # 0 = the baseline kernel: a valid attribute value
     lambda: recurrence(block_v=i32(128)),
-], ids=["recurrence", "prepare", "recurrence_baseline", "recurrence_bv128"])
+    lambda: prepare(**GROUPED_PREPARE),  # grouped value heads: q, k on fewer heads
+    decode,
+    lambda: decode(**GROUPED_DECODE),
+], ids=["recurrence", "prepare", "recurrence_baseline", "recurrence_bv128", "prepare_grouped",
+        "decode", "decode_grouped"])
 def test_valid_call_passes_validation_and_stops_at_the_missing_gpu(call):
     error = call()
     assert error is not None and "cudaGetDevice" in error, error  # the first CUDA call

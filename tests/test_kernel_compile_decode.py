@@ -11,9 +11,9 @@
 2. The state copy in (bf16: cp.async into the swizzled tile; f32: two register halves rounded to
    bf16 RN) on the bit-level kernel_sim.Simt, with its barrier semantics.
 3. The row masks of the per-token states keep exactly rows <= i.
-4. Compilation of all eight specialisations for sm_90a (and two for sm_100a): no local memory or
-   spills, the expected PTX / SASS instructions; export_to_c argument order (the FFI handler
-   codes against it).
+4. Compilation of all sixteen specialisations for sm_90a, plain and for grouped value heads (and
+   four for sm_100a): no local memory or spills, the expected PTX / SASS instructions;
+   export_to_c argument order (the FFI handler codes against it).
 """
 
 import re
@@ -300,19 +300,24 @@ def test_constructor_and_options():
 # Compilation (no GPU needed)
 # ------------------------------------------------------------------------------------------
 CASES = [
-    (inv, dt, states, "sm_90a")
+    (inv, dt, states, "sm_90a", grouped)
     for inv in ("stable", "neumann")
     for dt in ("bf16", "f32")
     for states in (False, True)
-] + [("stable", "bf16", False, "sm_100a"), ("neumann", "f32", True, "sm_100a")]
+    for grouped in (False, True)
+] + [("stable", "bf16", False, "sm_100a", False), ("neumann", "f32", True, "sm_100a", False),
+     ("stable", "f32", True, "sm_100a", True), ("neumann", "bf16", False, "sm_100a", True)]
 
 
-@pytest.mark.parametrize("inverse,state_dtype,intermediate,arch", CASES)
-def test_compiles_without_spills(inverse, state_dtype, intermediate, arch, tmp_path):
+@pytest.mark.parametrize("inverse,state_dtype,intermediate,arch,grouped", CASES)
+def test_compiles_without_spills(inverse, state_dtype, intermediate, arch, grouped, tmp_path):
     compiled = dec.compile_kernel(
-        inverse, arch, state_dtype=state_dtype, intermediate=intermediate, dump_dir=str(tmp_path)
+        inverse, arch, state_dtype=state_dtype, intermediate=intermediate, grouped=grouped,
+        dump_dir=str(tmp_path)
     )
     ptx = compiled.__ptx__
+    # grouped value heads: G = H / Hk and the CTA's query/key head h / G, two integer divisions
+    assert len(re.findall(r"\bdiv\.s32\b", ptx)) == (2 if grouped else 0)
     assert f".target {arch}" in ptx
     n_bf16_mma = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
     # prepare: L (or KK) and Mqk 16 each (+ stable: 2 + 2 block MMAs); decode step: 64 (P, Oq)
@@ -362,9 +367,12 @@ def test_compiles_without_spills(inverse, state_dtype, intermediate, arch, tmp_p
 
 
 @pytest.mark.parametrize("intermediate", [False, True])
-def test_export_to_c_argument_order(intermediate, tmp_path):
-    compiled = dec.compile_kernel("stable", "sm_90a", state_dtype="f32", intermediate=intermediate)
-    prefix = f"test_kda_decode_stable_f32{'_states' if intermediate else ''}_sm90a"
+@pytest.mark.parametrize("grouped", [False, True])
+def test_export_to_c_argument_order(intermediate, grouped, tmp_path):
+    compiled = dec.compile_kernel("stable", "sm_90a", state_dtype="f32", intermediate=intermediate,
+                                  grouped=grouped)
+    prefix = (f"test_kda_decode_stable_f32{'_states' if intermediate else ''}"
+              f"{'_grouped' if grouped else ''}_sm90a")
     names = wrapper_arguments(compiled, tmp_path, prefix)
     want = ["module", "mQ", "mK", "mV", "mG", "mBeta", "mALog", "mDtBias", "mStateIndices",
             "mPool", "mOut"] + (["mStates"] if intermediate else []) + [
@@ -377,11 +385,13 @@ def test_specs_name_every_decode_variant():
 
     decode = [s for s in specs.all_specs(("sm_90a",)) if s.kernel == "decode"]
     assert sorted(s.prefix for s in decode) == sorted(
-        f"jax_kda_decode_{inv}_{dt}{st}_sm90a"
+        f"jax_kda_decode_{inv}_{dt}{st}{gr}_sm90a"
         for inv in ("stable", "neumann") for dt in ("bf16", "f32") for st in ("", "_states")
+        for gr in ("", "_grouped")
     )
     for s in decode:
         assert s.call == "decode"
         assert s.options == {"inverse": s.variant, "state_dtype": s.state_dtype,
-                             "intermediate": s.intermediate}
+                             "intermediate": s.intermediate, "grouped": s.grouped}
+        assert s.grouped == s.prefix.endswith("_grouped_sm90a")
     assert contract.INVERSE_IDS["neumann"] == 1

@@ -1,8 +1,8 @@
 """CPU checks of the prepare kernel: it compiles for sm_90a and sm_100a (both
-inverse variants) and its PTX/SASS hold the instructions the rounding of
-docs/numerics.md section 3 relies on, with no local memory. Needs nvidia-cutlass-dsl (build time only);
-SASS checks also need cuobjdump (nvidia-cuda-cuobjdump wheel or a CUDA
-toolkit), and are skipped without it.
+inverse variants, plain and for grouped value heads) and its PTX/SASS hold the
+instructions the rounding of docs/numerics.md section 3 relies on, with no local
+memory. Needs nvidia-cutlass-dsl (build time only); SASS checks also need cuobjdump
+(nvidia-cuda-cuobjdump wheel or a CUDA toolkit), and are skipped without it.
 """
 
 from __future__ import annotations
@@ -43,15 +43,17 @@ from jax_kda.kernels import prepare
 out = sys.argv[1]
 for inverse in prepare.INVERSES:
     for arch in contract.ARCHS:
-        c = prepare.compile_kernel(inverse, arch, dump_dir=out)
-        open(f"{out}/{inverse}_{arch}.ptx", "w").write(c.__ptx__)
-        open(f"{out}/{inverse}_{arch}.cubin", "wb").write(c.__cubin__)
+        for grouped in (False, True):
+            c = prepare.compile_kernel(inverse, arch, grouped=grouped, dump_dir=out)
+            open(f"{out}/{inverse}_{arch}_{grouped}.ptx", "w").write(c.__ptx__)
+            open(f"{out}/{inverse}_{arch}_{grouped}.cubin", "wb").write(c.__cubin__)
 """
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """{(inverse, arch): (ptx text, cubin bytes)} for the four specialisations.
+    """{(inverse, arch, grouped): (ptx text, cubin bytes)} for the eight specialisations (grouped:
+    q and k on fewer heads than the value heads).
 
     Built in a child process: the DSL fixes its artifact dump directory (the
     working directory) at import, so this keeps the dumps out of the checkout.
@@ -73,20 +75,21 @@ def builds(tmp_path_factory):
     out = {}
     for inverse in prepare.INVERSES:
         for arch in contract.ARCHS:
-            stem = dump / f"{inverse}_{arch}"
-            out[(inverse, arch)] = (
-                stem.with_suffix(".ptx").read_text(),
-                stem.with_suffix(".cubin").read_bytes(),
-            )
+            for grouped in (False, True):
+                stem = dump / f"{inverse}_{arch}_{grouped}"
+                out[(inverse, arch, grouped)] = (
+                    stem.with_suffix(".ptx").read_text(),
+                    stem.with_suffix(".cubin").read_bytes(),
+                )
     return out
 
 
-KEYS = [(i, a) for i in prepare.INVERSES for a in contract.ARCHS]
+KEYS = [(i, a, g) for i in prepare.INVERSES for a in contract.ARCHS for g in (False, True)]
 
 
-@pytest.mark.parametrize("inverse,arch", KEYS)
-def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, inverse, arch):
-    ptx, _ = builds[(inverse, arch)]
+@pytest.mark.parametrize("inverse,arch,grouped", KEYS)
+def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, inverse, arch, grouped):
+    ptx, _ = builds[(inverse, arch, grouped)]
     assert f".target {arch}" in ptx
     body = ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in body
@@ -116,23 +119,37 @@ def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, inverse, arch
     assert "ld.global.v4" not in body and "st.global.v4" in body
 
 
-@pytest.mark.parametrize("inverse,arch", KEYS)
-def test_no_local_memory_in_ptx(builds, inverse, arch):
-    ptx, _ = builds[(inverse, arch)]
+@pytest.mark.parametrize("inverse,arch,grouped", KEYS)
+def test_no_local_memory_in_ptx(builds, inverse, arch, grouped):
+    ptx, _ = builds[(inverse, arch, grouped)]
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
     assert ".local" not in ptx
 
 
 def test_variants_compile_to_different_code(builds):
-    assert builds[("stable", "sm_90a")][0] != builds[("neumann", "sm_90a")][0]
+    assert builds[("stable", "sm_90a", False)][0] != builds[("neumann", "sm_90a", False)][0]
 
 
-@pytest.mark.parametrize("inverse,arch", KEYS)
-def test_sass(builds, inverse, arch, tmp_path):
+@pytest.mark.parametrize("inverse,arch", [(i, a) for i in prepare.INVERSES for a in contract.ARCHS])
+def test_grouped_heads_add_only_the_query_key_head_index(builds, inverse, arch):
+    """The grouped specialisation computes G = H / Hk and the CTA's query/key head h / G (two
+    integer divisions, none in the plain kernel) and is otherwise the same kernel: the same MMA,
+    cp.async and store instructions."""
+    plain, _ = builds[(inverse, arch, False)]
+    grouped, _ = builds[(inverse, arch, True)]
+    assert plain != grouped
+    assert len(re.findall(r"\bdiv\.s32\b", plain)) == 0
+    assert len(re.findall(r"\bdiv\.s32\b", grouped)) == 2
+    for instr in ("mma.sync.aligned", "cp.async.cg.shared.global", "st.global", "ex2.approx"):
+        assert plain.count(instr) == grouped.count(instr), instr
+
+
+@pytest.mark.parametrize("inverse,arch,grouped", KEYS)
+def test_sass(builds, inverse, arch, grouped, tmp_path):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _, cubin = builds[(inverse, arch)]
+    _, cubin = builds[(inverse, arch, grouped)]
     assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
     path = tmp_path / "prepare.cubin"
     path.write_bytes(cubin)
@@ -158,10 +175,14 @@ def test_sass(builds, inverse, arch, tmp_path):
     assert re.search(r"STACK:0\b", res), res
 
 
-def test_export_to_c_without_gpu(tmp_path):
-    """compiled.export_to_c works here (no GPU) once the DSL runtime libs are loaded."""
-    compiled = prepare.compile_kernel("stable", "sm_90a")
-    assert wrapper_arguments(compiled, tmp_path, "kda_prepare_test") == [
+@pytest.mark.parametrize("grouped", [False, True])
+def test_export_to_c_without_gpu(tmp_path, grouped):
+    """compiled.export_to_c works here (no GPU) once the DSL runtime libs are loaded; the grouped
+    specialisation takes the same arguments, with as many dynamic dimensions per tensor (the
+    handler fills both the same way)."""
+    compiled = prepare.compile_kernel("stable", "sm_90a", grouped=grouped)
+    prefix = f"kda_prepare_test_{grouped}"
+    assert wrapper_arguments(compiled, tmp_path, prefix) == [
         "module",
         "mQ",
         "mK",
@@ -175,6 +196,10 @@ def test_export_to_c_without_gpu(tmp_path):
         "lower_bound",
         "stream",
     ]
+    header = (tmp_path / f"{prefix}.h").read_text()
+    # q: dynamic T_total and heads (Hk when grouped), static 128; strides T_total's only
+    q_struct = re.search(rf"typedef struct {{([^}}]*)}} {prefix}_Tensor_mQ_t;", header)
+    assert q_struct and "dynamic_shapes[2]" in q_struct.group(1), header
 
 
 def test_compile_kernel_rejects_unknown_names():

@@ -57,16 +57,18 @@ from jax_kda import contract
 from jax_kda.kernels import prepare_fp32
 out = sys.argv[1]
 for arch in contract.ARCHS:
-    c = prepare_fp32.compile_kernel(arch, dump_dir=out)
-    open(f"{out}/{arch}.ptx", "w").write(c.__ptx__)
-    open(f"{out}/{arch}.cubin", "wb").write(c.__cubin__)
-    open(f"{out}/{arch}.mlir", "w").write(str(c.ir_module))
+    for grouped in (False, True):
+        c = prepare_fp32.compile_kernel(arch, grouped=grouped, dump_dir=out)
+        open(f"{out}/{arch}_{grouped}.ptx", "w").write(c.__ptx__)
+        open(f"{out}/{arch}_{grouped}.cubin", "wb").write(c.__cubin__)
+        open(f"{out}/{arch}_{grouped}.mlir", "w").write(str(c.ir_module))
 """
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """{arch: (ptx text, cubin bytes, host IR text)}.
+    """{(arch, grouped): (ptx text, cubin bytes, host IR text)} (grouped: the specialisation for
+    q and k on fewer heads than the value heads).
 
     Built in a child process: the DSL fixes its artifact dump directory (the working directory)
     at import, so this keeps the dumps out of the checkout.
@@ -87,18 +89,22 @@ def builds(tmp_path_factory):
     )
     out = {}
     for arch in ARCHS:
-        stem = dump / arch
-        out[arch] = (
-            stem.with_suffix(".ptx").read_text(),
-            stem.with_suffix(".cubin").read_bytes(),
-            stem.with_suffix(".mlir").read_text(),
-        )
+        for grouped in (False, True):
+            stem = dump / f"{arch}_{grouped}"
+            out[(arch, grouped)] = (
+                stem.with_suffix(".ptx").read_text(),
+                stem.with_suffix(".cubin").read_bytes(),
+                stem.with_suffix(".mlir").read_text(),
+            )
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, arch):
-    ptx, _, _ = builds[arch]
+KEYS = [(arch, grouped) for arch in ARCHS for grouped in (False, True)]
+
+
+@pytest.mark.parametrize("arch,grouped", KEYS)
+def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, arch, grouped):
+    ptx, _, _ = builds[(arch, grouped)]
     assert f".target {arch}" in ptx
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == MMAS
     for instr in (
@@ -122,10 +128,10 @@ def test_ptx_targets_arch_and_uses_the_pinned_instructions(builds, arch):
     assert len(re.findall(r"ld\.global(\.[a-z]+)*\.v4", ptx)) == 6
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_ptx_record_store_forms(builds, arch):
+@pytest.mark.parametrize("arch,grouped", KEYS)
+def test_ptx_record_store_forms(builds, arch, grouped):
     """The record goes straight to global memory: no staging of kd .. gt in shared memory."""
-    ptx, _, _ = builds[arch]
+    ptx, _, _ = builds[(arch, grouped)]
     assert not re.search(r"st\.global(\.[a-z_:0-9]+)*\.(b|u)16", ptx)  # no 2-byte stores
     assert len(re.findall(r"st\.global(\.[a-z_:0-9]+)*\.v4", ptx)) == RECORD_V4_STORES
     assert len(re.findall(r"st\.global\.(b|f|u)32\b", ptx)) == RECORD_B32_STORES + GT_STORES
@@ -137,16 +143,16 @@ def test_ptx_record_store_forms(builds, arch):
     assert re.search(rf"\.minnctapersm {CTAS_PER_SM}\b", ptx)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_no_local_memory_in_ptx(builds, arch):
-    ptx, _, _ = builds[arch]
+@pytest.mark.parametrize("arch,grouped", KEYS)
+def test_no_local_memory_in_ptx(builds, arch, grouped):
+    ptx, _, _ = builds[(arch, grouped)]
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
     assert ".local" not in ptx
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_shared_memory_fits_the_ctas_per_sm(builds, arch):
-    _, _, host_ir = builds[arch]
+@pytest.mark.parametrize("arch,grouped", KEYS)
+def test_shared_memory_fits_the_ctas_per_sm(builds, arch, grouped):
+    _, _, host_ir = builds[(arch, grouped)]
     # the launch's dynamic shared memory is the module's SMEM_BYTES
     assert re.search(rf"constant\({prepare_fp32.SMEM_BYTES} : i64\)", host_ir)
     assert prepare_fp32.CTAS_PER_SM == CTAS_PER_SM
@@ -217,12 +223,12 @@ def test_shared_memory_plan_has_no_overlapping_live_buffers():
     assert all(t[1] == 4096 for t in tiles)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_sass(builds, arch, tmp_path):
+@pytest.mark.parametrize("arch,grouped", KEYS)
+def test_sass(builds, arch, grouped, tmp_path):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    _, cubin, _ = builds[arch]
+    _, cubin, _ = builds[(arch, grouped)]
     assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
     path = tmp_path / "prepare_fp32.cubin"
     path.write_bytes(cubin)
@@ -246,6 +252,18 @@ def test_sass(builds, arch, tmp_path):
     # CTAS_PER_SM CTAs of 128 threads per SM: at most 72 registers per thread
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     assert regs * prepare_fp32.NUM_THREADS * CTAS_PER_SM <= 65536, res
+
+
+def test_grouped_heads_add_only_the_query_key_head_index(builds):
+    """The grouped specialisation computes G = H / Hk and the CTA's query/key head h / G (two
+    integer divisions, none in the plain kernel); the rest is the plain kernel's instructions."""
+    for arch in ARCHS:
+        plain, grouped = builds[(arch, False)][0], builds[(arch, True)][0]
+        assert plain != grouped
+        assert len(re.findall(r"\bdiv\.s32\b", plain)) == 0
+        assert len(re.findall(r"\bdiv\.s32\b", grouped)) == 2
+        for instr in ("mma.sync.aligned", "st.global", "ex2.approx", "cvt.rn.bf16x2.f32"):
+            assert plain.count(instr) == grouped.count(instr), instr
 
 
 def test_export_to_c_without_gpu(tmp_path):

@@ -255,6 +255,90 @@ def test_errors_name_the_problem():
         jax_kda.kda_prefill_sharded(**make_args())
 
 
+class RecordingHeads:
+    """The kernel path's stand-in on CPU (the reference), recording (q's heads, v's heads)."""
+
+    def __init__(self):
+        self.heads = []
+
+    def __call__(self, q, k, v, g, beta, A_log, dt_bias, state, cu, state_indices, ckpt_offsets,
+                 *, problem):
+        self.heads.append((q.shape[2], v.shape[2]))
+        return jax_kda._reference_path.prefill(q, k, v, g, beta, A_log, dt_bias, state, cu,
+                                               state_indices, problem=problem)
+
+
+def grouped_args(seed, G=2):
+    """make_args with q and k on H // G heads (grouped value heads)."""
+    args = make_args(seed=seed)
+    qk = make_inputs(np.random.default_rng(seed + 100), B, T, H // G)
+    args["q"], args["k"] = qk["q"], qk["k"]
+    return args
+
+
+@on_virtual_devices
+def test_grouped_heads_shard_in_whole_groups(monkeypatch):
+    """q and k on Hk = 8 heads, the rest on H = 16: plain jit (custom_partitioning on Auto axes,
+    shard_map on Explicit ones) and the helper put one query/key head and its two value heads on
+    each device; bitwise the unsharded call, no collectives; the kernel path sees 1 and 2 heads,
+    and its CUDA lowering hands the prepare call q at one head, g at two."""
+    args = grouped_args(seed=12)
+    want = _unsharded(**args)
+    for mesh in (head_mesh(), jax.make_mesh((DEVICES,), ("tp",))):
+        sharded = put_head_sharded(args, mesh)
+        for fn in (jax.jit(partial(jax_kda.kda_prefill, output_final_state=True)),
+                   jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh,
+                                   output_final_state=True))):
+            got, hlo = run_compiled(fn, **sharded)
+            assert_bits(got, want)
+            assert not [c for c in COLLECTIVES if c in hlo]
+    core = RecordingHeads()
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    monkeypatch.setattr(jax_kda._kernel_path, "prefill", core)
+    mesh = head_mesh()
+    fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
+    got, hlo = run_compiled(fn, **put_head_sharded(args, mesh))
+    assert_bits(got, want)
+    assert (1, 2) in core.heads and (H // 2, H) not in core.heads[-1:], core.heads
+    monkeypatch.undo()
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    jax.clear_caches()
+    helper = jax.jit(partial(jax_kda.kda_prefill_sharded, mesh=mesh, output_final_state=True,
+                             backend="kernel"))
+    text = helper.trace(**put_head_sharded(args, mesh)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    qk, value = f"tensor<{B * T}x1x128xbf16>", f"tensor<{B * T}x2x128xbf16>"
+    prepare = [line for line in text.splitlines() if "custom_call @jax_kda_prepare_v1(" in line]
+    assert len(prepare) == 1 and f"({qk}, {qk}, {value}, " in prepare[0], prepare
+
+
+@on_virtual_devices
+def test_grouped_heads_decode_and_errors():
+    mesh = head_mesh()
+    specs = jax_kda.sharding.head_specs("tp")
+    step = grouped_args(seed=13)
+    del step["initial_state"]
+    step = {name: x[:, :2] if name in DATA_NAMES else x for name, x in step.items()}
+    pool = random_states(np.random.default_rng(14), 4, H, scale=1.0)
+    idx = jnp.asarray([2, -1], jnp.int32)
+    decode = partial(jax_kda.kda_decode, state_indices=idx, output_intermediate_states=True)
+    want = jax.jit(decode)(**step, state=pool)
+    sharded_pool = jax.device_put(pool, NamedSharding(mesh, specs["initial_state"]))
+    step_sharded = put_head_sharded(step, mesh)
+    assert_bits(jax.jit(decode)(**step_sharded, state=sharded_pool), want)
+    helper = jax.jit(partial(jax_kda.kda_decode_sharded, mesh=mesh, state_indices=idx,
+                             output_intermediate_states=True))
+    assert_bits(helper(**step_sharded, state=sharded_pool), want)
+    # Hk = 4 query/key heads cannot be split over 8 devices in whole groups
+    args = grouped_args(seed=15, G=4)
+    with pytest.raises(ValueError, match=r"Hk = 4 of q and k \(each device holds whole groups "
+                       rf"of H // Hk = 4 value heads.*mesh axis 'tp' \({DEVICES}\)"):
+        jax_kda.kda_prefill_sharded(**args, mesh=mesh)
+
+
+DATA_NAMES = ("q", "k", "v", "g", "beta")
+
+
 def recurrence_block_v(text):
     return [int(m) for m in re.findall(r"block_v = (\d+) : i32", text)]
 

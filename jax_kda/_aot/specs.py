@@ -32,6 +32,9 @@ class Spec:
     # prefill kernels
     state_dtype: str | None = None
     intermediate: bool = False  # decode: also writes the state after every token
+    # prepare, prepare_fp32, decode: q and k on fewer heads than the value heads (grouped value
+    # heads; value head h reads query/key head h // (H // Hk))
+    grouped: bool = False
 
     @property
     def call(self) -> str:
@@ -53,8 +56,10 @@ class Spec:
             return {"block_v": self.variant, "state_dtype": self.state_dtype, "serving": True}
         if self.kernel == "decode":
             return {"inverse": self.variant, "state_dtype": self.state_dtype,
-                    "intermediate": self.intermediate}
-        return {"prepare": {"inverse": self.variant}, "recurrence": {"block_v": self.variant},
+                    "intermediate": self.intermediate, "grouped": self.grouped}
+        return {"prepare": {"inverse": self.variant, "grouped": self.grouped},
+                "prepare_fp32": {"grouped": self.grouped},
+                "recurrence": {"block_v": self.variant},
                 "recurrence_fp32": {"block_v": self.variant}}.get(self.kernel, {})
 
     @property
@@ -81,6 +86,8 @@ class Spec:
     def prefix(self) -> str:
         """C symbol prefix and file stem of the exported object, unique per specialisation."""
         arch = self.arch.replace("_", "")
+        if self.grouped:
+            arch = f"grouped_{arch}"
         if self.call == "recurrence_pool":
             return f"jax_kda_recurrence_pool_{self.state_dtype}_bv{self.variant}_{arch}"
         if self.call == "recurrence_fp32_pool":
@@ -109,15 +116,17 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
     archs = selected_archs() if archs is None else archs
     specs = []
     for arch in archs:
-        specs += [Spec("prepare", inv, arch) for inv in contract.INVERSE_IDS]
+        specs += [Spec("prepare", inv, arch, grouped=grouped)
+                  for grouped in (False, True) for inv in contract.INVERSE_IDS]
         specs += [Spec("recurrence", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs.append(Spec("recurrence_baseline", None, arch))
         specs += [Spec("recurrence", bv, arch, state_dtype=dt)
                   for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]
-        specs += [Spec("decode", inv, arch, state_dtype=dt, intermediate=states)
-                  for inv in contract.INVERSE_IDS for dt in contract.STATE_DTYPE_IDS
-                  for states in (False, True)]
-        specs.append(Spec("prepare_fp32", None, arch))
+        specs += [Spec("decode", inv, arch, state_dtype=dt, intermediate=states,
+                       grouped=grouped)
+                  for grouped in (False, True) for inv in contract.INVERSE_IDS
+                  for dt in contract.STATE_DTYPE_IDS for states in (False, True)]
+        specs += [Spec("prepare_fp32", None, arch, grouped=grouped) for grouped in (False, True)]
         specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs += [Spec("recurrence_fp32", bv, arch, state_dtype=dt)
                   for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]

@@ -127,6 +127,7 @@ from .prepare import (
     RECORD_SMEM_BYTES,
     KdaPrepare,
 )
+from .prepare_common import qk_head_of
 from .recurrence import copy_tile_rows_out, out_add, state_tile_update, u_to_b_operand
 from .recurrence_common import (
     CHUNK,
@@ -185,12 +186,14 @@ class KdaDecode:
     state_dtype, intermediate=True) constructs KdaDecodeStates, whose __call__ also takes
     mStates."""
 
-    def __new__(cls, inverse: str = "stable", state_dtype: str = "bf16", intermediate: bool = False):
+    def __new__(cls, inverse: str = "stable", state_dtype: str = "bf16",
+                intermediate: bool = False, grouped: bool = False):
         if intermediate and cls is KdaDecode:
             cls = KdaDecodeStates
         return super().__new__(cls)
 
-    def __init__(self, inverse: str = "stable", state_dtype: str = "bf16", intermediate: bool = False):
+    def __init__(self, inverse: str = "stable", state_dtype: str = "bf16",
+                 intermediate: bool = False, grouped: bool = False):
         if inverse not in INVERSES:
             raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
         if state_dtype not in STATE_DTYPES:
@@ -198,8 +201,15 @@ class KdaDecode:
         self.inverse = inverse
         self.state_dtype = state_dtype
         self.intermediate = intermediate
+        # grouped value heads: q and k [N, t, Hk, 128], value head h reads query/key head
+        # h // (H // Hk); H is then v's head count (a specialisation of its own)
+        self.grouped = grouped
         self.state_elem_bytes = STATE_ELEM_BYTES[state_dtype]
         self.prep = KdaPrepare(inverse)  # the record-building phases
+
+    def value_heads(self, mQ: cute.Tensor, mV: cute.Tensor):
+        """H: the heads of v, g, beta, the pool and out (q's, unless grouped)."""
+        return mV.shape[2] if self.grouped else mQ.shape[2]
 
     @cute.jit
     def __call__(
@@ -221,7 +231,7 @@ class KdaDecode:
         self.kernel(
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, scale, lower_bound
         ).launch(
-            grid=[mQ.shape[0], mQ.shape[2], 1],
+            grid=[mQ.shape[0], self.value_heads(mQ, mV), 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
@@ -272,7 +282,10 @@ class KdaDecode:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tid % 32
         t = mQ.shape[1]
-        num_heads = mQ.shape[2]
+        num_heads = self.value_heads(mQ, mV)
+        qk_head = None
+        if cutlass.const_expr(self.grouped):
+            qk_head = qk_head_of(head, num_heads, mQ.shape[2])
         n_valid = cutlass.max(cutlass.min(t, Int32(CHUNK)), Int32(0))
 
         smem = SmemAllocator()
@@ -292,7 +305,8 @@ class KdaDecode:
             # prepare A0 and the step's token operands: none depends on the pool row, so they are
             # all in flight with its load; prepare A waits for them (by then the row is known)
             rec = self.prep.record_inputs(
-                _DecodeRows(n, head, mBeta), mQ, mK, mG, mALog, mDtBias, head, n_valid, tid,
+                _DecodeRows(n, head, mBeta, qk_head), mQ, mK, mG, mALog, mDtBias, head, n_valid,
+                tid,
                 smem_base=region,
             )
             ln = _Lane(lane, warp_idx * WARP_COLS)
@@ -421,7 +435,7 @@ class KdaDecodeStates(KdaDecode):
             scale,
             lower_bound,
         ).launch(
-            grid=[mQ.shape[0], mQ.shape[2], 1],
+            grid=[mQ.shape[0], self.value_heads(mQ, mV), 1],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
@@ -453,16 +467,21 @@ class KdaDecodeStates(KdaDecode):
 # Plain trace-time pieces (no dynamic control flow), also run by the CPU tests on kernel_sim.Simt
 # ----------------------------------------------------------------------------------------------
 class _DecodeRows:
-    """Chunk rows of the decode kernel for KdaPrepare.record_inputs: token r of sequence n."""
+    """Chunk rows of the decode kernel for KdaPrepare.record_inputs: token r of sequence n; q and
+    k rows of query/key head `qk_head` (grouped value heads), the value head itself by default."""
 
-    def __init__(self, n, head, mBeta):
+    def __init__(self, n, head, mBeta, qk_head=None):
         self.n, self.head, self.mBeta = n, head, mBeta
+        self.qk_head = head if qk_head is None else qk_head
 
     def token(self, r):
         return r
 
     def row(self, m_x, tok):
         return m_x[self.n, tok, self.head, None]
+
+    def qk_row(self, m_x, tok):
+        return m_x[self.n, tok, self.qk_head, None]
 
     def beta(self, tok):
         return self.mBeta[self.n, tok, self.head]
@@ -740,13 +759,15 @@ def _final_state(step, ub, dsts, esz):
 
 
 # ------------------------------------------------------------------ build side
-def decode_args(state_dtype: str = "bf16", intermediate: bool = False):
-    """Fake arguments of KdaDecode.__call__ (N, t, H, P dynamic)."""
+def decode_args(state_dtype: str = "bf16", intermediate: bool = False, grouped: bool = False):
+    """Fake arguments of KdaDecode.__call__ (N, t, H, P dynamic; grouped: q and k on their own
+    head count Hk)."""
     n, t, heads, rows = (symbol(s) for s in ("N", "t", "H", "P"))
+    qk_heads = symbol("Hk") if grouped else heads
     sdt = STATE_DTYPES[state_dtype]
     args = [
-        fake_tensor(BFloat16, (n, t, heads, D), 16),  # q
-        fake_tensor(BFloat16, (n, t, heads, D), 16),  # k
+        fake_tensor(BFloat16, (n, t, qk_heads, D), 16),  # q
+        fake_tensor(BFloat16, (n, t, qk_heads, D), 16),  # k
         fake_tensor(BFloat16, (n, t, heads, D), 16),  # v
         fake_tensor(BFloat16, (n, t, heads, D), 16),  # g
         fake_tensor(BFloat16, (n, t, heads), 2),  # beta
@@ -767,12 +788,14 @@ def compile_kernel(
     *,
     state_dtype: str = "bf16",
     intermediate: bool = False,
+    grouped: bool = False,
     dump_dir: str | None = None,
 ):
-    """The fused decode kernel compiled for `arch` (compile_utils.compile_for_arch)."""
+    """The fused decode kernel (grouped: for q, k on fewer heads than v) compiled for `arch`
+    (compile_utils.compile_for_arch)."""
     return compile_for_arch(
-        KdaDecode(inverse, state_dtype, intermediate),
-        decode_args(state_dtype, intermediate),
+        KdaDecode(inverse, state_dtype, intermediate, grouped),
+        decode_args(state_dtype, intermediate, grouped),
         arch,
         dump_dir=dump_dir,
     )

@@ -58,6 +58,7 @@ from .prepare_common import (
     copy_granules,
     locate_chunk,
     prepare_args,
+    qk_head_of,
     row_major,
     running_sum_of_half,
     swizzled_byte_offset,
@@ -118,10 +119,13 @@ INVERSE_SCRATCH_BYTES = 9 * CHUNK * CHUNK * 2
 class KdaPrepare:
     """Host entry + device kernel of docs/numerics.md, section 3 "Prepare"."""
 
-    def __init__(self, inverse: str = "stable"):
+    def __init__(self, inverse: str = "stable", grouped: bool = False):
         if inverse not in INVERSES:
             raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
         self.inverse = inverse
+        # grouped value heads: q and k [T_total, Hk, 128], value head h reads query/key head
+        # h // (H // Hk) (a specialisation of its own: the plain kernel's code stays as it is)
+        self.grouped = grouped
 
     @cute.jit
     def __call__(
@@ -177,10 +181,14 @@ class KdaPrepare:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tid % 32
         active, bos, eos, chunk = locate_chunk(mCuSeqlens, Int32(slot), mQ.shape[0])
+        qk_head = None
+        if cutlass.const_expr(self.grouped):
+            qk_head = qk_head_of(head, mWorkspace.shape[0], mQ.shape[1])
         if active:
             row0, n_valid = chunk_rows(bos, eos, chunk)
             rec = self.record_inputs(
-                PackedRows(row0, head, mBeta), mQ, mK, mG, mALog, mDtBias, head, n_valid, tid,
+                PackedRows(row0, head, mBeta, qk_head), mQ, mK, mG, mALog, mDtBias, head, n_valid,
+                tid,
                 kr_to_global=True, async_copy=True,
             )
             self.record_normalize(rec)
@@ -221,7 +229,8 @@ class KdaPrepare:
         """A0: issue every global load of the chunk (rows past the end re-read the last valid
         row, in bounds, and are zeroed afterwards: no branches) and allocate the record's shared
         memory. `rows`: how a chunk row maps to tensor elements (token(r) for r in 0..15 clamped
-        to n_valid - 1, row(m, tok) the 128 values of q / k / g, beta(tok) the logit; for
+        to n_valid - 1, qk_row(m, tok) the 128 values of q / k, row(m, tok) those of g,
+        beta(tok) the logit; for
         async_copy also mBeta (compact), beta_index(tok) its element and beta_count()).
         smem_base (optional, a 128-byte aligned Uint8 shared pointer to RECORD_SMEM_BYTES): place
         the record, ki, beta and the staging area at the RECORD_SMEM offsets there instead of
@@ -247,7 +256,7 @@ class KdaPrepare:
                 tok = rows.token(cutlass.min(r, n_valid - 1))
                 for which, m_x in enumerate((mQ, mK)):
                     cute.autovec_copy(
-                        cute.local_tile(rows.row(m_x, tok), (8,), (group,)),
+                        cute.local_tile(rows.qk_row(m_x, tok), (8,), (group,)),
                         raw[half, which, None],
                     )
             # raw g straight in phase B's layout (no shared staging): row i of the thread's 8, one
@@ -309,7 +318,7 @@ class KdaPrepare:
                 r = tid // 16 + 8 * half
                 tok = rows.token(cutlass.min(r, n_valid - 1))
                 for which, m_x in enumerate((mQ, mK)):
-                    src = cute.local_tile(rows.row(m_x, tok), (8,), (group,))
+                    src = cute.local_tile(rows.qk_row(m_x, tok), (8,), (group,))
                     cp_async_16_if(stage_base + which * CHUNK * D * 2 + (r * D + group * 8) * 2,
                                    src.iterator.toint(), Int32(0), Int32(1))
             g_tile = s_rec.toint() + wl.KD_OFFSET
@@ -713,7 +722,9 @@ def _tiled_mma_f16():
 
 
 # ------------------------------------------------------------------ build side
-def compile_kernel(inverse: str = "stable", arch: str = "sm_90a", *, dump_dir: str | None = None):
-    """The prepare kernel with the given inverse, compiled for `arch`
-    (compile_utils.compile_for_arch)."""
-    return compile_for_arch(KdaPrepare(inverse), prepare_args(), arch, dump_dir=dump_dir)
+def compile_kernel(inverse: str = "stable", arch: str = "sm_90a", *, grouped: bool = False,
+                   dump_dir: str | None = None):
+    """The prepare kernel with the given inverse (grouped: for q, k on fewer heads than g),
+    compiled for `arch` (compile_utils.compile_for_arch)."""
+    return compile_for_arch(KdaPrepare(inverse, grouped), prepare_args(grouped=grouped), arch,
+                            dump_dir=dump_dir)

@@ -55,17 +55,29 @@ def chunk_rows(bos, eos, chunk):
     return row0, cutlass.min(eos - row0, CHUNK)
 
 
-class PackedRows:
-    """Chunk rows of a prepare kernel: token row0 + r of the packed [T_total, H, ...] inputs."""
+def qk_head_of(head, heads, qk_heads):
+    """The query/key head that value head `head` reads with grouped value heads (H = G Hk, G =
+    H // Hk value heads per query/key head): head // G, fla's convention."""
+    return head // (heads // qk_heads)
 
-    def __init__(self, row0, head, mBeta):
+
+class PackedRows:
+    """Chunk rows of a prepare kernel: token row0 + r of the packed [T_total, H, ...] inputs; q
+    and k rows of query/key head `qk_head` (grouped value heads: q, k [T_total, Hk, 128]), the
+    value head itself by default."""
+
+    def __init__(self, row0, head, mBeta, qk_head=None):
         self.row0, self.head, self.mBeta = row0, head, mBeta
+        self.qk_head = head if qk_head is None else qk_head
 
     def token(self, r):
         return self.row0 + r
 
     def row(self, m_x, tok):
         return m_x[tok, self.head, None]
+
+    def qk_row(self, m_x, tok):
+        return m_x[tok, self.qk_head, None]
 
     def beta(self, tok):
         return self.mBeta[tok, self.head]
@@ -172,14 +184,16 @@ class WarpMma:
 
 
 # ------------------------------------------------------------------ build side
-def prepare_args(record_bytes: int = wl.RECORD_BYTES):
+def prepare_args(record_bytes: int = wl.RECORD_BYTES, grouped: bool = False):
     """Fake arguments of a prepare kernel's host __call__ (docs/kernel_abi.md; T_total, H, N, S
     dynamic): tensors, the two scalars as Float32 placeholders, a fake stream. The fp32 mode's
-    prepare writes 23,040-byte records (record_bytes)."""
+    prepare writes 23,040-byte records (record_bytes). grouped: q and k have their own head
+    count Hk (grouped value heads, H a multiple of Hk)."""
     t_total, heads, n_plus_1, slots = (symbol(s) for s in ("T_total", "H", "N_plus_1", "S"))
+    qk_heads = symbol("Hk") if grouped else heads
     return (
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # q
-        fake_tensor(BFloat16, (t_total, heads, D), 16),  # k
+        fake_tensor(BFloat16, (t_total, qk_heads, D), 16),  # q
+        fake_tensor(BFloat16, (t_total, qk_heads, D), 16),  # k
         fake_tensor(BFloat16, (t_total, heads, D), 16),  # g
         fake_tensor(BFloat16, (t_total, heads), 2),  # beta
         fake_tensor(Float32, (heads,), 4),  # A_log

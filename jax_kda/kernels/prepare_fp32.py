@@ -69,6 +69,7 @@ from .prepare_common import (
     copy_granules,
     locate_chunk,
     prepare_args,
+    qk_head_of,
     row_major,
     running_sum_of_half,
     swizzled_byte_offset,
@@ -149,7 +150,12 @@ CTAS_PER_SM = 7  # 7 x (25,280 + 1 KB reserved) <= 228 KB, 7 x 128 x 72 register
 
 
 class KdaPrepareFp32:
-    """Host entry + device kernel of docs/fp32_mode.md, section 1 "Prepare"."""
+    """Host entry + device kernel of docs/fp32_mode.md, section 1 "Prepare". grouped: q and k
+    [T_total, Hk, 128] for grouped value heads (value head h reads query/key head
+    h // (H // Hk)), a specialisation of its own."""
+
+    def __init__(self, grouped: bool = False):
+        self.grouped = grouped
 
     @cute.jit
     def __call__(
@@ -210,8 +216,11 @@ class KdaPrepareFp32:
         lane = tid % 32
         active, bos, eos, chunk = locate_chunk(mCuSeqlens, Int32(slot), mQ.shape[0])
         row0, n_valid = chunk_rows(bos, eos, chunk)
+        qk_head = None
+        if cutlass.const_expr(self.grouped):
+            qk_head = qk_head_of(head, mWorkspace.shape[0], mQ.shape[1])
         if active:
-            rows = PackedRows(row0, head, mBeta)
+            rows = PackedRows(row0, head, mBeta, qk_head)
 
             # ---- A0. every global load first
             raw = self._load_rows(rows, mQ, mK, mG, n_valid, tid)
@@ -259,8 +268,9 @@ class KdaPrepareFp32:
             r = tid // 16 + 8 * half
             tok = rows.token(cutlass.min(r, n_valid - 1))
             for which, m_x in enumerate((mQ, mK, mG)):
+                row = rows.qk_row(m_x, tok) if which < 2 else rows.row(m_x, tok)
                 cute.autovec_copy(
-                    cute.local_tile(rows.row(m_x, tok), (8,), (group,)),
+                    cute.local_tile(row, (8,), (group,)),
                     raw[half, which, None],
                 )
         return raw
@@ -529,6 +539,8 @@ def _three_term_product(mma, s_a_hi, s_a_lo, s_b_hi, s_b_lo):
 
 
 # ------------------------------------------------------------------ build side
-def compile_kernel(arch: str = "sm_90a", *, dump_dir: str | None = None):
-    """The fp32-mode prepare kernel compiled for `arch` (compile_utils.compile_for_arch)."""
-    return compile_for_arch(KdaPrepareFp32(), prepare_args(RECORD_BYTES), arch, dump_dir=dump_dir)
+def compile_kernel(arch: str = "sm_90a", *, grouped: bool = False, dump_dir: str | None = None):
+    """The fp32-mode prepare kernel (grouped: for q, k on fewer heads than g) compiled for `arch`
+    (compile_utils.compile_for_arch)."""
+    return compile_for_arch(KdaPrepareFp32(grouped), prepare_args(RECORD_BYTES, grouped), arch,
+                            dump_dir=dump_dir)
