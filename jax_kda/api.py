@@ -108,10 +108,11 @@ def kda_prefill(
     one pair of kernel calls (jax_kda._batching). Reverse-mode derivatives (jax.grad, jax.vjp)
     are the gradient of the exact KDA function (jax_kda._vjp, docs/training.md): the forward is
     the call's own, bitwise; pools, checkpoints and explicit sequence_parallel counts raise
-    KdaInferenceOnlyError; backend="reference" is plain JAX autodiff. Donating initial_state (jax.jit(..., donate_argnames=
-    "initial_state")) lets the final state reuse its buffer. Under jax.jit, inputs sharded over
-    heads are partitioned over heads: each device runs its local heads (jax_kda._partitioning);
-    jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports.
+    KdaInferenceOnlyError; backend="reference" is plain JAX autodiff. Donating initial_state
+    (jax.jit(..., donate_argnames="initial_state")) lets the final state reuse its buffer. Under
+    jax.jit, inputs sharded over heads are partitioned over heads: each device runs its local
+    heads (jax_kda._partitioning); jax_kda.kda_prefill_sharded does the same with an explicit
+    mesh and exports.
     """
     problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,

@@ -57,8 +57,8 @@ def test_fp32_mode_kernels_have_their_own_tables(tmp_path):
     build._write_spec_lists(tmp_path, chosen)
     lines = (tmp_path / "kernels_specs.inc").read_text().splitlines()
     # the prepare's inverse attribute is the stable id; recurrences are keyed by block_v
-    assert (f"JAX_KDA_PREPARE_FP32(jax_kda_prepare_fp32_sm90a, {contract.INVERSE_IDS['stable']}, 90)"
-            in lines)
+    stable = contract.INVERSE_IDS['stable']
+    assert f"JAX_KDA_PREPARE_FP32(jax_kda_prepare_fp32_sm90a, {stable}, 90)" in lines
     assert "JAX_KDA_RECURRENCE_FP32(jax_kda_recurrence_fp32_bv64_sm90a, 64, 90)" in lines
     f32_id = contract.STATE_DTYPE_IDS["f32"]
     assert (f"JAX_KDA_RECURRENCE_FP32_POOL(jax_kda_recurrence_fp32_pool_f32_bv16_sm90a, 16, "

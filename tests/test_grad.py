@@ -170,7 +170,8 @@ def test_vmap_of_grad():
 
 
 def test_grad_of_other_parameters_passes_through():
-    """A model that differentiates something else (kda_prefill's inputs do not depend on it) works."""
+    """A model that differentiates something else (kda_prefill's inputs do not depend on it)
+    works."""
     x, _, _ = make_point()
 
     def model(w):
@@ -217,7 +218,9 @@ def test_reference_gradients_match_finite_differences_of_the_exact_function():
 
     eps = 1e-2
     for names in [(n,) for n in NAMES] + [NAMES]:
-        finite_difference = (exact_loss(shifted(eps, names)) - exact_loss(shifted(-eps, names))) / (2 * eps)
-        autodiff = sum(float(np.sum(np.asarray(grads[n], np.float64) * direction[n])) for n in names)
+        finite_difference = (
+            exact_loss(shifted(eps, names)) - exact_loss(shifted(-eps, names))) / (2 * eps)
+        autodiff = sum(float(np.sum(np.asarray(grads[n], np.float64) * direction[n]))
+                       for n in names)
         assert abs(finite_difference) > 0.1, (names, finite_difference)  # a real signal
         assert autodiff == pytest.approx(finite_difference, rel=0.03), names

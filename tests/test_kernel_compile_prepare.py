@@ -1,7 +1,7 @@
 """CPU checks of the prepare kernel: it compiles for sm_90a and sm_100a (both
 inverse variants) and its PTX/SASS hold the instructions the rounding of
-docs/numerics.md section 3 relies on, with no local memory. Needs nvidia-cutlass-dsl (build time only);
-SASS checks also need cuobjdump (nvidia-cuda-cuobjdump wheel or a CUDA
+docs/numerics.md section 3 relies on, with no local memory. Needs nvidia-cutlass-dsl (build
+time only); SASS checks also need cuobjdump (nvidia-cuda-cuobjdump wheel or a CUDA
 toolkit), and are skipped without it.
 """
 
@@ -235,10 +235,10 @@ def test_accumulator_coordinates_are_row_col():
 
 
 def test_phase_b_word_offsets_are_the_record_swizzle():
-    """Phase B addresses the swizzled tiles by hand (bf16x2 words at prepare_common.swizzled_byte_offset): it
-    must be the layout the record format defines (workspace_layout.swizzle_index) for every
-    column pair, and phase B's thread map (pair t % 64, rows 8 (t // 64) .. + 7) must cover each
-    of the tile's words exactly once."""
+    """Phase B addresses the swizzled tiles by hand (bf16x2 words at
+    prepare_common.swizzled_byte_offset): it must be the layout the record format defines
+    (workspace_layout.swizzle_index) for every column pair, and phase B's thread map (pair
+    t % 64, rows 8 (t // 64) .. + 7) must cover each of the tile's words exactly once."""
     import numpy as np
 
     from jax_kda.kernels import workspace_layout
