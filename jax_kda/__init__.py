@@ -6,7 +6,8 @@ CUDA, and a pure-JAX chunkwise reference that runs anywhere and mirrors the kern
 
 from . import checkpoints, export, options
 from ._ffi import kernels_available, unavailable_reason
-from .api import KdaInferenceOnlyError, KernelsUnavailableError, kda_decode, kda_prefill
+from ._vjp import KdaInferenceOnlyError
+from .api import KernelsUnavailableError, kda_decode, kda_prefill
 from .checkpoints import checkpoint_offsets
 from .export import disabled_safety_checks
 from .sharding import kda_decode_sharded, kda_prefill_sharded
