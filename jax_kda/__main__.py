@@ -78,20 +78,24 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(args.seed)
     T, H = args.seqlen, args.heads
     inputs = _make_inputs(rng, T, H)
-    state0 = jnp.asarray(rng.standard_normal((1, H, 128, 128), dtype=np.float32) * 0.05, jnp.float32)
+    state0 = jnp.asarray(rng.standard_normal((1, H, 128, 128), dtype=np.float32) * 0.05,
+                         jnp.float32)
     if use_kernels:
         backend, why = "kernel", "GPU kernels (CuTe DSL via XLA FFI)"
     elif on_gpu:
-        backend, why = "reference", f"pure-JAX reference (kernels unavailable: {unavailable_reason()})"
+        backend = "reference"
+        why = f"pure-JAX reference (kernels unavailable: {unavailable_reason()})"
     else:
         backend, why = "reference", "pure-JAX reference (no CUDA GPU visible)"
 
-    run = jax.jit(lambda x, s: kda_prefill(**x, initial_state=s, output_final_state=True, backend=backend))
+    run = jax.jit(lambda x, s: kda_prefill(**x, initial_state=s, output_final_state=True,
+                                           backend=backend))
     out, final_state = jax.block_until_ready(run(inputs, state0))  # compile + first run
     seconds = _median_seconds(lambda: run(inputs, state0), repeats=5 if use_kernels else 2)
 
     n = min(args.check_tokens, T)
-    sliced = {key: np.asarray(val[:, :n, :1].astype(jnp.float32)) if val.ndim >= 3 else np.asarray(val[:1])
+    sliced = {key: np.asarray(val[:, :n, :1].astype(jnp.float32)) if val.ndim >= 3
+              else np.asarray(val[:1])
               for key, val in inputs.items()}
     # an f32 initial state is rounded to bf16 on entry (docs/numerics.md); the oracle starts there
     state_entry = np.asarray(state0[:, :1].astype(jnp.bfloat16).astype(jnp.float32))
@@ -101,9 +105,11 @@ def main(argv=None) -> None:
 
     print(f"jax_kda demo on {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"backend:        {why}")
-    print(f"shapes:         q/k/v/g {tuple(inputs['q'].shape)} bf16, state {tuple(state0.shape)} f32")
+    print(f"shapes:         q/k/v/g {tuple(inputs['q'].shape)} bf16, "
+          f"state {tuple(state0.shape)} f32")
     print(f"time:           {seconds * 1e3:.3f} ms per call (median, jit, incl. dispatch)")
-    print(f"final state:    {final_state.dtype} {tuple(final_state.shape)}, finite={bool(jnp.isfinite(final_state).all())}")
+    print(f"final state:    {final_state.dtype} {tuple(final_state.shape)}, "
+          f"finite={bool(jnp.isfinite(final_state).all())}")
     print(f"vs f64 oracle:  relative RMSE {rel_rmse:.2e} on head 0, tokens 0..{n - 1} "
           f"(tolerance {ORACLE_TOLERANCE:g}) -> {'OK' if rel_rmse <= ORACLE_TOLERANCE else 'FAIL'}")
     if not rel_rmse <= ORACLE_TOLERANCE:

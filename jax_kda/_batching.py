@@ -141,7 +141,8 @@ def _fold_into_sequences(core, problem, n, x):
 def _fold_into_heads(core, problem, n, x):
     H = problem.heads
 
-    def to_heads(a, head_axis):  # [n, ..., H, ...] -> [..., n*H, ...]; head_axis: H's index unvmapped
+    # [n, ..., H, ...] -> [..., n*H, ...]; head_axis: H's index unvmapped
+    def to_heads(a, head_axis):
         if a is None:
             return None
         # [..., n, H or Hk, ...]: element i owns heads [i*H, (i+1)*H) (q, k: [i*Hk, (i+1)*Hk)),

@@ -250,8 +250,9 @@ def check_cu_seqlens_values(fn: str, cu_seqlens, total_tokens: int) -> None:
     """Checks cu_seqlens' values when they are known now (outside jit).
 
     Under jit the values are unknown at trace time. Then malformed values (not starting at 0,
-    decreasing, or past T) cannot corrupt memory: every backend clamps them into [0, T] and treats a
-    decreasing pair as an empty sequence, but the numbers for the affected sequences are meaningless.
+    decreasing, or past T) cannot corrupt memory: every backend clamps them into [0, T] and
+    treats a decreasing pair as an empty sequence, but the numbers for the affected sequences
+    are meaningless.
     """
     if isinstance(cu_seqlens, jax.core.Tracer):
         return

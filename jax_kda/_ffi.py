@@ -78,7 +78,8 @@ def _load() -> None:
     found = [p for p in candidates if p.is_file()]
     if not found:
         _reason = (
-            f"{LIBRARY_NAME} is not installed (looked in {', '.join(str(p.parent) for p in candidates[:3])}"
+            f"{LIBRARY_NAME} is not installed "
+            f"(looked in {', '.join(str(p.parent) for p in candidates[:3])}"
             f"{', ...' if len(candidates) > 3 else ''}); the package was built without kernels "
             "(JAX_KDA_BUILD_KERNELS=0) or from a source tree without a build"
         )
@@ -201,7 +202,8 @@ def _check_prepare_operands(q, k, g, beta, A_log, dt_bias, cu_seqlens, inverse, 
     if q.ndim != 3:
         raise ValueError(f"q: expected [T_total, Hk, 128], got shape {tuple(q.shape)}")
     if inverse not in contract.INVERSE_IDS:
-        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
+        raise ValueError(
+            f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
     assert numerics == "flashkda" or inverse == "stable"  # jax_kda.options
     total, qk_heads = q.shape[0], q.shape[1]
     heads = _value_heads(q, g, 1)
@@ -345,7 +347,8 @@ def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale,
     _expect("dt_bias", dt_bias, jnp.float32, (heads, HEAD_DIM))
     _check_pool(pool, state_indices, num_seqs, heads)
     if inverse not in contract.INVERSE_IDS:
-        raise ValueError(f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
+        raise ValueError(
+            f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
     states = (num_seqs if intermediate_states else 0, tokens, heads, HEAD_DIM, HEAD_DIM)
     results = (
         jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),

@@ -8,7 +8,8 @@ by jax_kda.reference_backward's chunkwise algorithm run as XLA: it recomputes ev
 from the inputs, runs the reverse chain of the state gradient and the chunk-parallel gradients.
 Both numerics modes get this gradient; with numerics="flashkda" the forward stays bitwise
 FlashKDA's. With grouped value heads the backward returns dq and dk on the Hk query/key heads:
-each is the sum of its G value heads' parts, in a fixed pairwise order (deterministic). docs/training.md says what is differentiated and how accurate it is.
+each is the sum of its G value heads' parts, in a fixed pairwise order (deterministic).
+docs/training.md says what is differentiated and how accurate it is.
 
 Reverse mode only (jax.grad, jax.vjp, jax.value_and_grad); forward mode (jvp, jacfwd) is refused
 by JAX for a custom VJP. Not differentiable, with KdaInferenceOnlyError when something asks for a
@@ -62,6 +63,10 @@ def _forward(run, layout, present, mesh, problem, *given):
 
 
 def _backward(run, layout, present, mesh, problem, given, cotangents):
+    # A cotangent computed from the output (a loss of it) would let XLA fold the forward into the
+    # backward's products; on CPU (the reference forward) its simplifier then built a batched dot
+    # with its batch axes in the wrong order, failing the HLO verifier (tests/test_grad.py).
+    cotangents = jax.lax.optimization_barrier(cotangents)
     arrays = dict(zip(present, given))
     q, k, v, g, beta, A_log, dt_bias, state, cu = (arrays.get(i) for i in range(9))
     d_out, d_final_state, _ = cotangents

@@ -113,13 +113,12 @@ def kda_prefill(
     are the gradient of the exact KDA function (jax_kda._vjp, docs/training.md): the forward is
     the call's own, bitwise; with grouped heads dq and dk sum each query/key head's G value
     heads in a fixed pairwise order (deterministic); pools, checkpoints and explicit
-    sequence_parallel counts raise
-    KdaInferenceOnlyError; backend="reference" is plain JAX autodiff. Donating initial_state (jax.jit(..., donate_argnames=
-    "initial_state")) lets the final state reuse its buffer. Under jax.jit, inputs sharded over
-    heads are partitioned over heads: each device runs its local heads (jax_kda._partitioning);
-    jax_kda.kda_prefill_sharded does the same with an explicit mesh and exports (a head split
-    keeps whole groups of value heads with their query/key head on one device: the device count
-    must divide Hk).
+    sequence_parallel counts raise KdaInferenceOnlyError; backend="reference" is plain JAX
+    autodiff. Donating initial_state (jax.jit(..., donate_argnames="initial_state")) lets the
+    final state reuse its buffer. Under jax.jit, inputs sharded over heads are partitioned over
+    heads: each device runs its local heads (jax_kda._partitioning); jax_kda.kda_prefill_sharded
+    does the same with an explicit mesh and exports (a head split keeps whole groups of value
+    heads with their query/key head on one device: the device count must divide Hk).
     """
     problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,

@@ -20,7 +20,9 @@ def _f64(x):
     """float64 of x: exact for float64 input (finite differences need it), else via float32
     (which holds every bf16 / f16 / f32 value exactly)."""
     x = np.asarray(x)
-    return x.astype(np.float64) if x.dtype == np.float64 else x.astype(np.float32).astype(np.float64)
+    if x.dtype == np.float64:
+        return x.astype(np.float64)
+    return x.astype(np.float32).astype(np.float64)
 
 
 def _sigmoid(x):

@@ -140,9 +140,10 @@ def kda_prefill_oracle_vjp(q, k, v, g, beta, A_log, dt_bias, *, scale=None, lowe
 @functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "cu_seqlens"))
 def _vjp(primals, d_out, d_final_state, *, scale, lower_bound, cu_seqlens):
     def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        return kda_prefill_oracle_jax(q, k, v, g, beta, A_log, dt_bias, scale=scale,
-                                      lower_bound=lower_bound, initial_state=initial_state,
-                                      cu_seqlens=None if cu_seqlens is None else np.array(cu_seqlens))
+        return kda_prefill_oracle_jax(
+            q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
+            initial_state=initial_state,
+            cu_seqlens=None if cu_seqlens is None else np.array(cu_seqlens))
 
     (out, final), pullback = jax.vjp(prefill, *primals)
     d_out = jnp.zeros_like(out) if d_out is None else d_out

@@ -16,7 +16,7 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
 1. Recompute, chunk-parallel (nothing is saved by the forward):
      rho_q = 1 / sqrt(|q|^2 + 1e-6), q^ = q rho_q              (likewise k)
      x = exp(A_log) (g + dt_bias),  s = sigmoid(x),  gamma = gs s,  gs = f32(lower_bound log2 e)
-     G_r = G_{r-1} + gamma_r                                     (sequential over the rows, G_-1 = 0)
+     G_r = G_{r-1} + gamma_r                        (sequential over the rows, G_-1 = 0)
      e = 2^G,  er = 2^(G_15 - G),  rel = 2^(G - G_7),  irel = 2^(G_7 - G),  gt = 2^G_15
      qd = scale q^ e,  kd = k^ e,  kr = k^ er                     (the inter-chunk operands)
      qL = scale q^ rel,  kL = k^ rel,  kiL = k^ irel              (the intra-chunk operands)
@@ -56,7 +56,8 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
      dG_15 += ln2 (gt dgt + sum_r kr_r dkr_r),
      dgamma_r = sum_{i >= r} dG_i   (sequential from row 15 down).
    These are the derivatives of the chunk form (docs/numerics.md section 1)
-     out = qd S_c^T + Mqk U,  S_{c+1} = S_c Diag(gt) + U^T kr,  U = (I + L)^-1 Diag(b) (v - kd S_c^T),
+     out = qd S_c^T + Mqk U,  S_{c+1} = S_c Diag(gt) + U^T kr,
+     U = (I + L)^-1 Diag(b) (v - kd S_c^T),
    with d(X^-1) = -X^-1 dX X^-1 (so dL = -W^T dU u^T W^T = -du U^T) and d 2^y / dy = ln2 2^y.
 
 5. Token-parallel:
@@ -64,7 +65,8 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
      dq = rho_q (dq^ - q^ (q^ . dq^))   (likewise dk),
      ddt_bias[h, k] = sum over tokens of dg,   dA_log[h] = sum over k and tokens of dx x.
    sigmoid'(x) is the product of two sigmoid values, finite for every x: where a channel never
-   forgets (x ~ -500, s = 0 in f32) it is 0, where differentiating 1 / (1 + e^-x) would give 0 * inf.
+   forgets (x ~ -500, s = 0 in f32) it is 0, where differentiating 1 / (1 + e^-x) would give
+   0 * inf.
 
 Reduction order (every run gives the same bits): sums that are not matrix products are pairwise
 trees (`tree_sum`: the axis zero-padded to a power of two n, then a[i] + a[i + n/2] until one is
@@ -227,11 +229,13 @@ def forward_substitution(L):
         W_r = (jnp.arange(CHUNK) == r).astype(L.dtype) - _dot("...c,...cd->...d", L_r, W)
         return lax.dynamic_update_index_in_dim(W, W_r, r, axis=-2)
 
-    return lax.fori_loop(0, CHUNK, row, jnp.zeros_like(L))  # a rolled loop compiles in 1/10 the time
+    # a rolled loop compiles in 1/10 the time
+    return lax.fori_loop(0, CHUNK, row, jnp.zeros_like(L))
 
 
 def chunk_factors(q, k, g, beta, A_log, dt_bias, valid, *, scale, lower_bound) -> ChunkFactors:
-    """Step 1 on chunked f32 inputs [N, H, C, 16, ...] (zero rows 0); A_log [H], dt_bias [H, 128]."""
+    """Step 1 on chunked f32 inputs [N, H, C, 16, ...] (zero rows 0); A_log [H],
+    dt_bias [H, 128]."""
     qn, q_rho = _l2_normalize(q)
     kn, k_rho = _l2_normalize(k)
     x = jnp.exp(A_log)[:, None, None, None] * (g + dt_bias[:, None, None, :])
@@ -253,7 +257,7 @@ def chunk_factors(q, k, g, beta, A_log, dt_bias, valid, *, scale, lower_bound) -
         A=A, W=forward_substitution(b[..., :, None] * A), mqk=mqk)
 
 
-# ----------------------------------------------------------------------------- 2. and 3.: the chains
+# ------------------------------------------------------------------------- 2. and 3.: the chains
 
 
 def _chunks_first(x):

@@ -640,9 +640,9 @@ class SimtValues(Simt):
                     C[g + 8, 2 * t + e] = cc[2 + e]
             Dm = A @ B + C
             return [
-                [Dm[l // 4, 2 * (l % 4)], Dm[l // 4, 2 * (l % 4) + 1],
-                 Dm[l // 4 + 8, 2 * (l % 4)], Dm[l // 4 + 8, 2 * (l % 4) + 1]]
-                for l in range(32)
+                [Dm[lane // 4, 2 * (lane % 4)], Dm[lane // 4, 2 * (lane % 4) + 1],
+                 Dm[lane // 4 + 8, 2 * (lane % 4)], Dm[lane // 4 + 8, 2 * (lane % 4) + 1]]
+                for lane in range(32)
             ]
 
         return self._collective(compute, (list(a), list(b), [_num(x) for x in c]))

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_testing import make_inputs
 
 import jax_kda
 
@@ -15,17 +16,7 @@ ARRAYS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
 
 def make_args(b=B, t=T, h=H, seed=0):
-    rng = np.random.default_rng(seed)
-
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-
-    return {
-        "q": bf16(b, t, h, 128), "k": bf16(b, t, h, 128), "v": bf16(b, t, h, 128),
-        "g": bf16(b, t, h, 128), "beta": bf16(b, t, h),
-        "A_log": jnp.asarray(rng.uniform(-2, 1, h), jnp.float32),
-        "dt_bias": jnp.asarray(rng.standard_normal((h, 128)), jnp.float32),
-    }
+    return make_inputs(np.random.default_rng(seed), b, t, h)
 
 
 def decode_args(n=2, t=1, h=H):

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(
     reason="reference-only build (JAX_KDA_BUILD_KERNELS=0): no FFI library to inspect",
 )
 
-HANDLER_SYMBOLS = {symbol for stages in _ffi._HANDLER_SYMBOLS.values() for symbol in stages.values()}
+HANDLER_SYMBOLS = {symbol for stages in _ffi._HANDLER_SYMBOLS.values()
+                   for symbol in stages.values()}
 INFO_SYMBOLS = {"jax_kda_ffi_kernels", "jax_kda_ffi_abi_version"}
 
 

@@ -82,6 +82,25 @@ def test_auto_backend_gradient_is_the_backward_of_the_exact_function(numerics):
         np.testing.assert_array_equal(got, np.asarray(w.astype(jnp.float32)), err_msg=name)
 
 
+def test_auto_backend_gradient_of_a_loss_of_the_output():
+    """A cotangent computed from the output itself (a model's loss), several sequences of several
+    chunks: it compiles on CPU, where XLA once folded the reference forward into the backward's
+    products and built one with its batch axes in the wrong order (an HLO verifier error), and
+    it is kda_prefill_vjp's gradient of that cotangent, bitwise."""
+    rng = np.random.default_rng(6)
+    n, t = 2, 64  # chunks per sequence (4) != sequences != heads: a mixed-up axis order shows
+    bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    q, k, v, g, beta = *(bf(n, t, H, 128) for _ in range(4)), bf(n, t, H)
+    A_log = jnp.asarray(rng.uniform(-1.0, 0.5, H), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal((H, 128)), jnp.float32)
+    prefill = lambda q: jax_kda.kda_prefill(q, k, v, g, beta, A_log, dt_bias, backend="auto")[0]
+    dq = jax.jit(jax.grad(lambda q: 0.5 * jnp.sum(prefill(q).astype(jnp.float32) ** 2)))(q)
+    d_out = jax.jit(prefill)(q)  # the cotangent of 0.5 |out|^2 is out
+    want = jax.jit(partial(reference_backward.kda_prefill_vjp, scale=None, lower_bound=-5.0))(
+        q, k, v, g, beta, A_log, dt_bias, None, None, d_out, None)
+    np.testing.assert_array_equal(np.asarray(dq, np.float32), np.asarray(want.dq, np.float32))
+
+
 @pytest.mark.parametrize("regime", ["fla", "keep32"])
 def test_auto_backend_gradients_match_the_float64_oracle(regime):
     """jax.vjp of kda_prefill (backend "auto", packed sequences with an empty one) against the
@@ -170,7 +189,8 @@ def test_vmap_of_grad():
 
 
 def test_grad_of_other_parameters_passes_through():
-    """A model that differentiates something else (kda_prefill's inputs do not depend on it) works."""
+    """A model that differentiates something else (kda_prefill's inputs do not depend on it)
+    works."""
     x, _, _ = make_point()
 
     def model(w):
@@ -217,7 +237,9 @@ def test_reference_gradients_match_finite_differences_of_the_exact_function():
 
     eps = 1e-2
     for names in [(n,) for n in NAMES] + [NAMES]:
-        finite_difference = (exact_loss(shifted(eps, names)) - exact_loss(shifted(-eps, names))) / (2 * eps)
-        autodiff = sum(float(np.sum(np.asarray(grads[n], np.float64) * direction[n])) for n in names)
+        finite_difference = (
+            exact_loss(shifted(eps, names)) - exact_loss(shifted(-eps, names))) / (2 * eps)
+        autodiff = sum(float(np.sum(np.asarray(grads[n], np.float64) * direction[n]))
+                       for n in names)
         assert abs(finite_difference) > 0.1, (names, finite_difference)  # a real signal
         assert autodiff == pytest.approx(finite_difference, rel=0.03), names

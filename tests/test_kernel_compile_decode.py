@@ -87,7 +87,8 @@ SIM_CASES = [(t, dt, st) for t in (1, 3) for dt in ("bf16", "f32") for st in (Fa
 
 
 @pytest.mark.parametrize("t,state_dtype,intermediate", SIM_CASES)
-def test_chunk_step_on_the_simt_emulator_is_the_matrix_math(t, state_dtype, intermediate, monkeypatch):
+def test_chunk_step_on_the_simt_emulator_is_the_matrix_math(t, state_dtype, intermediate,
+                                                            monkeypatch):
     esz = rec.STATE_ELEM_BYTES[state_dtype]
     rng = np.random.default_rng(100 * t + 10 * esz + intermediate)
     _N, H, n, head, T = 3, 2, 1, 1, t
@@ -207,7 +208,8 @@ def test_state_copy_in_fills_the_tile(state_dtype, monkeypatch):
     v, k = np.meshgrid(np.arange(128), np.arange(128), indexing="ij")
     got = sim.smem.view(np.uint16)[rec.state_smem_offset(v, k) // 2]
     np.testing.assert_array_equal(got, bits)
-    units = [u for tid in range(dec.NUM_THREADS) for w in (0, 1) for u in dec._f32_half_units(tid, w)]
+    units = [u for tid in range(dec.NUM_THREADS) for w in (0, 1)
+             for u in dec._f32_half_units(tid, w)]
     assert sorted(units) == [(v, k) for v in range(128) for k in range(0, 128, 4)]
 
 
@@ -233,7 +235,8 @@ def test_lane_terms_equal_the_reference_index_maps():
                 assert ln.krt_off(k) == rec.ldmatrix_krt_offset(lane, k)
                 for pair in range(dec.N_TILES // 2):
                     q = dec.state_frag_q(k, pair)
-                    assert ln.frag_off(k, pair) == rec.state_frag_offset(lane, q, col_w, dec.N_TILES)
+                    want = rec.state_frag_offset(lane, q, col_w, dec.N_TILES)
+                    assert ln.frag_off(k, pair) == want
     for tid in range(dec.NUM_THREADS):
         for which in (0, 1):
             units = dec._f32_half_units(tid, which)

@@ -260,10 +260,10 @@ def test_accumulator_coordinates_are_row_col():
 
 
 def test_phase_b_word_offsets_are_the_record_swizzle():
-    """Phase B addresses the swizzled tiles by hand (bf16x2 words at prepare_common.swizzled_byte_offset): it
-    must be the layout the record format defines (workspace_layout.swizzle_index) for every
-    column pair, and phase B's thread map (pair t % 64, rows 8 (t // 64) .. + 7) must cover each
-    of the tile's words exactly once."""
+    """Phase B addresses the swizzled tiles by hand (bf16x2 words at
+    prepare_common.swizzled_byte_offset): it must be the layout the record format defines
+    (workspace_layout.swizzle_index) for every column pair, and phase B's thread map (pair
+    t % 64, rows 8 (t // 64) .. + 7) must cover each of the tile's words exactly once."""
     import numpy as np
 
     from jax_kda.kernels import workspace_layout

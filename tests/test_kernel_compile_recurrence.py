@@ -756,7 +756,8 @@ def test_pool_variant_compiles_without_spills(block_v, state_dtype, arch, tmp_pa
     # (plus kr^T: 8 per chunk-operand read, prologue and loop)
     assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 16 + 4 * n_tiles
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 4 * n_tiles
-    n_load = block_v * 128 * (2 if state_dtype == "bf16" else 4) // 16 // (32 * rec.warp_split(block_v)[0])
+    state_bytes = block_v * 128 * (2 if state_dtype == "bf16" else 4)
+    n_load = state_bytes // 16 // (32 * rec.warp_split(block_v)[0])
     assert ptx.count("ld.global.v4.b32") == n_load
     if state_dtype == "f32":
         assert "cvt.rn.bf16x2.f32" in ptx and "st.global.v2.b32" in ptx

@@ -10,6 +10,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kda_testing import make_inputs
 
 import jax_kda
 from jax_kda import _ffi, api, options
@@ -26,17 +27,7 @@ GRID = {
 
 
 def _args():
-    rng = np.random.default_rng(0)
-
-    def bf16(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-
-    return {
-        "q": bf16(B, T, H, 128), "k": bf16(B, T, H, 128), "v": bf16(B, T, H, 128),
-        "g": bf16(B, T, H, 128), "beta": bf16(B, T, H),
-        "A_log": jnp.asarray(rng.uniform(-2, 1, H), jnp.float32),
-        "dt_bias": jnp.asarray(rng.standard_normal((H, 128)), jnp.float32),
-    }
+    return make_inputs(np.random.default_rng(0), B, T, H)
 
 
 def _outcome(args, backend, *, pool, **run_options):

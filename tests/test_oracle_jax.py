@@ -1,7 +1,8 @@
 """The float64 JAX oracle (jax_kda.oracle_jax) against the numpy oracle: its forward equals it to
 float64 rounding, and its autodiff gradients equal central finite differences of the numpy oracle
 (eps = 1e-6 in float64: truncation ~1e-12, cancellation ~1e-10 relative; the difference is
-asserted below 1e-9 of |grad| |direction|), including channels that never forget, where a naive sigmoid derivative is NaN."""
+asserted below 1e-9 of |grad| |direction|), including channels that never forget, where a naive
+sigmoid derivative is NaN."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,8 @@ def inputs(seed, T, H, regime, N=1):
     rng = np.random.default_rng(seed)
     a = {n: np.asarray(x.astype(jnp.float32), np.float64)
          for n, x in regimes.make_inputs(rng, T, H, regime).items()}
-    a["initial_state"] = (0.1 * rng.standard_normal((N, H, D, D))).astype(np.float32).astype(np.float64)
+    state = 0.1 * rng.standard_normal((N, H, D, D))
+    a["initial_state"] = state.astype(np.float32).astype(np.float64)
     return a, rng
 
 

@@ -59,7 +59,8 @@ def test_packed_sequences_with_empty_ones():
     for i in TOKEN_GRADIENTS:  # tokens covered by no sequence: exact zeros
         assert np.all(np.asarray(got[i][0, CU[-1]:]) == 0), NAMES[i]
     # an empty sequence passes its final state's cotangent on unchanged
-    np.testing.assert_array_equal(np.asarray(got[7])[[0, 2]], np.asarray(case.d_final_state)[[0, 2]])
+    np.testing.assert_array_equal(np.asarray(got[7])[[0, 2]],
+                                  np.asarray(case.d_final_state)[[0, 2]])
 
 
 @pytest.mark.parametrize("with_d_out, with_d_final_state", [
@@ -94,7 +95,8 @@ def test_bitwise_deterministic_across_compilations():
 @pytest.mark.slow
 def test_unroll_changes_nothing_but_rounding():
     case = gradients.make_case(np.random.default_rng(14), T, H, "fla")
-    for name, a, b in zip(NAMES, gradients.backward(case)[0], gradients.backward(case, unroll=2)[0]):
+    rolled, unrolled = gradients.backward(case)[0], gradients.backward(case, unroll=2)[0]
+    for name, a, b in zip(NAMES, rolled, unrolled):
         assert gradients.rel_rmse(b, np.asarray(a, np.float64)) <= 1e-6, name
 
 
@@ -110,6 +112,7 @@ def test_dtypes_and_no_initial_state():
     got = vjp(q, k, v, g, beta, A_log, dt_bias, None, None, case.d_out, None)
     assert got.dinitial_state is None and np.any(np.asarray(got.dq) != 0)
     empty = lambda x: x[:, :0]
-    got = vjp(*map(empty, (q, k, v, g, beta)), A_log, dt_bias, state, None, None, case.d_final_state)
+    got = vjp(*map(empty, (q, k, v, g, beta)), A_log, dt_bias, state, None, None,
+              case.d_final_state)
     assert all(np.all(np.asarray(x) == 0) for x in got[:7])
     np.testing.assert_array_equal(np.asarray(got.dinitial_state), np.asarray(case.d_final_state))

@@ -20,7 +20,8 @@ def _fail(message: str) -> None:
 def jax_ffi_include_dir() -> str:
     version = importlib.metadata.version("jaxlib")
     if not version.startswith("0.11."):
-        _fail(f"the FFI handlers must be built against jaxlib 0.11.x headers, found jaxlib {version}")
+        _fail("the FFI handlers must be built against jaxlib 0.11.x headers, "
+              f"found jaxlib {version}")
     import jax
 
     return jax.ffi.include_dir()

@@ -150,7 +150,8 @@ def decode_tiny_cases() -> list[DecodeCase]:
 
 
 def baseline_cases() -> list[Case]:
-    """The cases of the baseline measurements: T=8192 over a head sweep, varlen mixes, T=32768 and T=2048."""
+    """The cases of the baseline measurements: T=8192 over a head sweep, varlen mixes, T=32768
+    and T=2048."""
     cases = [Case((8192,), h) for h in BASELINE_HEADS]
     cases += [
         Case(BASELINE_VARLEN, 96, "varlen"),

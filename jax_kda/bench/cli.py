@@ -4,7 +4,8 @@ Examples:
   python -m jax_kda.bench                                  # the baseline cases on a GPU
   python -m jax_kda.bench --seqlen 8192 --heads 96,12,6 --compare fla --compare flashkda
   python -m jax_kda.bench --variants recurrence --block-v 32,64,128,auto --seqlen 8192 --heads 6
-  python -m jax_kda.bench --block-v 16,32,baseline --total-block-v baseline,auto  # baseline kernel too
+  python -m jax_kda.bench --block-v 16,32,baseline \
+      --total-block-v baseline,auto                   # the baseline kernel too
   python -m jax_kda.bench --numerics flashkda,fp32 --compare jla  # both numerics modes, and jla
   python -m jax_kda.bench --preset long-context --numerics fp32 --variants total \
       --total-block-v auto --sequence-parallel 4,16     # serial vs sequence-parallel fp32
@@ -78,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--layout", choices=("varlen", "batched"), default="varlen",
                    help="how --num-seqs > 1 sequences are passed (default: packed with cu_seqlens)")
     g.add_argument("--varlen", action="append", default=[], metavar="L1,L2,...",
-                   help="a packed variable-length case (repeatable), e.g. 1300,547,2048,963,271,3063")
+                   help="a packed variable-length case (repeatable), "
+                   "e.g. 1300,547,2048,963,271,3063")
     g.add_argument("--decode", action="append", default=[], metavar="N,H[,t]",
                    help="a decode case (repeatable): N sequences x H heads, t tokens each "
                    "(default 1), once per --state-dtype")
@@ -116,9 +118,11 @@ def _parser() -> argparse.ArgumentParser:
                    "e.g. total:bv=baseline for the baseline kernel")
     g.add_argument("--inverse", choices=("stable", "neumann"), default="stable")
     g = p.add_argument_group("timing")
-    g.add_argument("--repeats", type=int, default=20, help="samples per variant (median; default 20)")
+    g.add_argument("--repeats", type=int, default=20,
+                   help="samples per variant (median; default 20)")
     g.add_argument("--warmup", type=int, default=3, help="untimed runs after compilation")
-    g.add_argument("--inner", type=int, help="initial calls per JAX sample (default 4 on GPU, 1 on CPU)")
+    g.add_argument("--inner", type=int,
+                   help="initial calls per JAX sample (default 4 on GPU, 1 on CPU)")
     g.add_argument("--min-chain-ms", type=float,
                    help="grow the calls per sample until one sample takes this long "
                    "(default 5 on GPU, 0 = off on CPU)")

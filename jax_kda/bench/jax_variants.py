@@ -143,7 +143,8 @@ def _state_dtype(variant: Variant):
 
 
 def _initial_state(variant: Variant, x: dict):
-    """The case's initial state (bf16 in x) in the variant's state dtype; a copy only if it differs."""
+    """The case's initial state (bf16 in x) in the variant's state dtype; a copy only if it
+    differs."""
     dtype = _state_dtype(variant)
     return x["state"] if x["state"].dtype == dtype else x["state"].astype(dtype)
 

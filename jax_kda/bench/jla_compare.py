@@ -24,7 +24,8 @@ from .cases import Case, DecodeCase
 from .jax_variants import VariantUnavailable, _options, _zero_times
 
 KDA_MODULE = "jla.ops.mosaic_gpu.kda"  # kda() and supports_kda()
-CHECKS_MODULE = "jla.ops.mosaic_gpu.vector_gate_ops"  # unsupported_reason(): why supports_kda says no
+# unsupported_reason(): why supports_kda says no
+CHECKS_MODULE = "jla.ops.mosaic_gpu.vector_gate_ops"
 STATE = 5  # position of the state in the timed function's arguments
 
 

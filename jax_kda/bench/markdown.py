@@ -65,7 +65,8 @@ def tables(data: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jax_kda.bench.markdown", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", type=pathlib.Path, help="a JSON file written by python -m jax_kda.bench")
+    p.add_argument("results", type=pathlib.Path,
+                   help="a JSON file written by python -m jax_kda.bench")
     args = p.parse_args(argv)
     sys.stdout.write(tables(json.loads(args.results.read_text())))
     return 0

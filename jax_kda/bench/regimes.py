@@ -27,7 +27,8 @@ def gates(rng, regime: str, B: int, T: int, H: int):
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
     if regime == "strong":
-        return rng.uniform(0, 1, H), rng.uniform(0, 1, (H, D)), 3 * rng.standard_normal((B, T, H, D))
+        return (rng.uniform(0, 1, H), rng.uniform(0, 1, (H, D)),
+                3 * rng.standard_normal((B, T, H, D)))
     if regime == "slow":
         return np.zeros(H), np.zeros((H, D)), np.full((B, T, H, D), -8.0)
     if regime == "collinear":  # sigmoid(~-20) ~ 0: no decay; make_inputs repeats one key

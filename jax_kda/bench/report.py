@@ -9,9 +9,9 @@ from pathlib import Path
 
 SCHEMA = "jax_kda.bench/1"
 CSV_FIELDS = (
-    "case", "variant", "kind", "numerics", "block_v", "block_v_used", "heads", "num_seqs", "tokens", "layout",
-    "seq_lens", "status", "median_us", "min_us", "p20_us", "p80_us", "mean_us", "repeats", "inner",
-    "ratio_vs_baseline", "timer", "error",
+    "case", "variant", "kind", "numerics", "block_v", "block_v_used", "heads", "num_seqs", "tokens",
+    "layout", "seq_lens", "status", "median_us", "min_us", "p20_us", "p80_us", "mean_us", "repeats",
+    "inner", "ratio_vs_baseline", "timer", "error",
     # decode cases
     "state_dtype", "tokens_per_seq", "pool_rows", "floor_us", "achieved_tb_s",
 )
@@ -79,7 +79,8 @@ def format_table(cases: list[dict], variants: list[str], results: list[dict], ba
     out.append(note)
     problems = [r for r in results if r["status"] != "ok"]
     for reason in sorted({r.get("error") or r["status"] for r in problems}):
-        names = sorted({r["variant"] for r in problems if (r.get("error") or r["status"]) == reason})
+        names = sorted({r["variant"] for r in problems
+                        if (r.get("error") or r["status"]) == reason})
         out.append(f"not timed ({', '.join(names)}): {reason}")
     return "\n".join(out)
 
@@ -132,7 +133,9 @@ def make_figure(cases: list[dict], variants: list[str], results: list[dict],
 
     def speedup(name, v):  # baseline median / this median, None where either is missing
         b = by_key.get((name, baseline))
-        return b["median_us"] / by_key[(name, v)]["median_us"] if b and (name, v) in by_key else None
+        if not b or (name, v) not in by_key:
+            return None
+        return b["median_us"] / by_key[(name, v)]["median_us"]
 
     if len(names) == 1:
         name = names[0]
@@ -169,7 +172,8 @@ def make_figure(cases: list[dict], variants: list[str], results: list[dict],
         for i, v in enumerate(vs):
             values = ([by_key[(n, v)]["median_us"] if (n, v) in by_key else None for n in names]
                       if key == "median_us" else ratios[v])
-            xs = [j + (i - (len(vs) - 1) / 2) * width for j, y in enumerate(values) if y is not None]
+            offset = (i - (len(vs) - 1) / 2) * width
+            xs = [j + offset for j, y in enumerate(values) if y is not None]
             ys = [y for y in values if y is not None]
             if key == "median_us":
                 ax.bar(xs, ys, width=width, label=v, color=colors[v])

@@ -89,7 +89,8 @@ def interleave(samplers: list[Sampler], repeats: int) -> list[Timing]:
 
 
 def chain_jax(fn, inner: int, feedback):
-    """jit(args -> outputs of the last of `inner` calls of fn, call i+1 on feedback(args, outs_i))."""
+    """jit(args -> outputs of the last of `inner` calls of fn, call i+1 on
+    feedback(args, outs_i))."""
     import jax
 
     def chained(*args):
@@ -134,7 +135,8 @@ def jax_sampler(fn, args, feedback, *, warmup: int, inner: int, min_chain_ms: fl
                    f"jit chain of {inner} {calls}, wall clock / {inner}")
 
 
-def time_jax(fn, args, feedback, *, repeats: int, warmup: int, inner: int, min_chain_ms: float) -> Timing:
+def time_jax(fn, args, feedback, *, repeats: int, warmup: int, inner: int,
+             min_chain_ms: float) -> Timing:
     return collect(jax_sampler(fn, args, feedback, warmup=warmup, inner=inner,
                                min_chain_ms=min_chain_ms), repeats)
 

@@ -89,7 +89,8 @@ def build_fla(case: Case | DecodeCase, x: dict) -> tuple[Callable, dict]:
         notes["beta"] = "sigmoid applied outside the timed call (this fla has no in-kernel sigmoid)"
     for required in ("use_gate_in_kernel", "A_log", "lower_bound"):
         if required in dropped:
-            raise VariantUnavailable(f"this fla's chunk_kda has no {required}= (too old for KDA gates)")
+            raise VariantUnavailable(
+                f"this fla's chunk_kda has no {required}= (too old for KDA gates)")
     if dropped:
         notes["dropped_kwargs"] = dropped
 

@@ -48,9 +48,9 @@ operand as the prefill's gt = ex2(G_15) of the shorter sequence.
 CTA shape: one CTA of 128 threads (4 warps) per (n, h), grid (N, H, 1). The prepare phases are
 written for 128 threads (a column pair on 8 rows per thread in phase B, warps 0 / 1 for the
 inverse / Mqk), and 4 warps x 32 value columns (4 n-tiles, like recurrence_baseline.py) cover the
-recurrence step without idle warps. Column-split CTAs would repeat the whole prepare work per slice; 8 warps
-would leave half of them idle through prepare and, at <= 85 registers for three CTAs of 256
-threads, not fit the step; so the lever is CTAs per SM, i.e. shared memory.
+recurrence step without idle warps. Column-split CTAs would repeat the whole prepare work per
+slice; 8 warps would leave half of them idle through prepare and, at <= 85 registers for three
+CTAs of 256 threads, not fit the step; so the lever is CTAs per SM, i.e. shared memory.
 
 Shared memory: one region (SMEM_BYTES = 55,424 bytes; + 8 KB for the gt_i table with
 intermediate): prepare's record, ki tile, beta and staging area at prepare.RECORD_SMEM (the
@@ -197,7 +197,8 @@ class KdaDecode:
         if inverse not in INVERSES:
             raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
         if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
+            raise ValueError(
+                f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
         self.inverse = inverse
         self.state_dtype = state_dtype
         self.intermediate = intermediate

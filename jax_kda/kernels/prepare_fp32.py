@@ -330,8 +330,8 @@ class KdaPrepareFp32:
         dt1: Float32, n_valid: Int32, scale: Float32, lower_bound: Float32,
     ):
         """B: thread t owns the column pair (c0, c0 + 1), c0 = 2 (t % 64), on rows 8h .. 8h + 7,
-        h = half = t // 64, so that its shared and global accesses are bf16x2 words (a warp moves 128
-        contiguous bytes of a row, one wavefront; half the instructions of one column per
+        h = half = t // 64, so that its shared and global accesses are bf16x2 words (a warp moves
+        128 contiguous bytes of a row, one wavefront; half the instructions of one column per
         thread) and each split rounds two values with one cvt. Per element: G_r (step 2), q and k
         normalised in f32 (step 1), the decays and decayed operands (step 3), split into the
         record (global memory) and the operand tiles (shared memory). Each column's running sum
@@ -391,7 +391,8 @@ class KdaPrepareFp32:
             # the recurrence's operands
             kd_hi = pack_bf16x2(fmul(kn[0], e[0]), fmul(kn[1], e[1]))
             qd = split_hi_lo_bf16x2(fmul(fmul(qn[0], e[0]), scale), fmul(fmul(qn[1], e[1]), scale))
-            kr = split_hi_lo_bf16x2(fmul(kn[0], fmul(ei[0], gt[0])), fmul(kn[1], fmul(ei[1], gt[1])))
+            kr = split_hi_lo_bf16x2(fmul(kn[0], fmul(ei[0], gt[0])),
+                                    fmul(kn[1], fmul(ei[1], gt[1])))
             # step 5's operands, decayed relative to row 7
             rel = (fmul(e[0], up[0]), fmul(e[1], up[1]))
             kl = split_hi_lo_bf16x2(fmul(kn[0], rel[0]), fmul(kn[1], rel[1]))

@@ -97,7 +97,8 @@ def _unpack(struct_val, elem_type, n, wrap):
 
 
 def _pred_lt_block(cond_ops, body):
-    """`{ .reg .pred p; setp.lt.s32 p, <cond_ops>; <body> }`: body guarded by (or selecting on) p."""
+    """`{ .reg .pred p; setp.lt.s32 p, <cond_ops>; <body> }`: body guarded by
+    (or selecting on) p."""
     return "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, " + cond_ops + ";\n\t" + body + "\n\t}"
 
 

@@ -5,9 +5,9 @@ Task = (value-column slice, head, sequence), grid (128 / block_v, H, N); no comm
 between CTAs. Every warp owns CW = 8 * NT consecutive value columns and keeps its state slice
 S^T[128 (k), CW (v)] in registers for the whole sequence, bf16, in the m16n8k16 accumulator layout
 (ptx.py's module docstring writes the fragment layouts out): for k-tile mt (16 k) and n-tile nt
-(8 columns), register state[mt, nt, 0] holds S^T[16mt + g][8nt + 2t, 2t+1] and state[mt, nt, 1] holds
-S^T[16mt + 8 + g][...]. movmatrix.trans of these two registers is exactly the B operand of k-block
-mt of the next chunk's kd . S^T / qd . S^T, so the state never goes through shared memory.
+(8 columns), register state[mt, nt, 0] holds S^T[16mt + g][8nt + 2t, 2t+1] and state[mt, nt, 1]
+holds S^T[16mt + 8 + g][...]. movmatrix.trans of these two registers is exactly the B operand of
+k-block mt of the next chunk's kd . S^T / qd . S^T, so the state never goes through shared memory.
 
 Warps per CTA x columns per warp (warp_split): block_v 16 -> 2 x 8 (no idle half tiles);
 32 -> 4 x 8; 64 -> 4 x 16; 128 -> 8 x 16 (4 x 32 would spill on sm_100a). Each column's
@@ -69,8 +69,9 @@ Out and the final state are bitwise those of the prefill kernel on the same inpu
 f32 initial state rounded as above); checked on an H200 (2026-12-01, block_v 16 / 32 / 128 bf16
 and 32 / 64 f32 pools, checkpoint_chunks 0 / 1 / 2, sequences of 0..100 tokens, a padding slot,
 one checkpoint row past C): out, pool rows and checkpoints equal prefills (checkpoints: of the
-truncated sequences) bit for bit, padding out rows zero, untouched rows unchanged. SASS (sm_90a): the inner chunk loop is 313 / 309 / 463 /
-459 instructions at block_v 16 / 32 / 64 / 128 (prefill kernel: 307 / 300 / 466 / 468);
+truncated sequences) bit for bit, padding out rows zero, untouched rows unchanged. SASS
+(sm_90a): the inner chunk loop is 313 / 309 / 463 / 459 instructions at block_v 16 / 32 / 64 /
+128 (prefill kernel: 307 / 300 / 466 / 468);
 registers 156 / 156 / 204 / 202 (f32 pools: 162 / 160 / 204 / 202; sm_100a: 152 at block_v 16,
 234 at block_v 128), no local memory; shared memory pool_smem_bytes + 16: 72.3 / 74.9 / 80.4 /
 105.0 KB.
@@ -139,7 +140,8 @@ def v_smem_offset(row, col, block_v):
 
 
 def state_reg(mt, nt, half, n_tiles):
-    """Index of the packed register holding S^T[16mt + acc_row(lane, half)][8nt + acc_col(lane)..+1]."""
+    """Index of the packed register holding
+    S^T[16mt + acc_row(lane, half)][8nt + acc_col(lane)..+1]."""
     return (mt * n_tiles + nt) * 2 + half
 
 
@@ -178,9 +180,11 @@ class KdaRecurrence:
 
     def __init__(self, block_v: int = 32, state_dtype: str = "bf16", serving: bool = False):
         if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
+            raise ValueError(
+                f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
         if state_dtype != "bf16" and not serving:
-            raise ValueError("the prefill variant takes bf16 states; state_dtype='f32' needs serving=True")
+            raise ValueError(
+                "the prefill variant takes bf16 states; state_dtype='f32' needs serving=True")
         self.block_v = block_v
         self.state_dtype = state_dtype
         self.serving = serving
@@ -704,7 +708,11 @@ def copy_out_lane_terms(tile, lane, first_row, esz):
     s_x ^ (i & 7)."""
     if esz == 2:
         row = first_row + (lane >> 4)
-        return tile + row * (D * 2), (lane & 15) ^ (lane >> 4), (Int64(row) * D + Int64(lane & 15) * 8) * 2
+        return (
+            tile + row * (D * 2),
+            (lane & 15) ^ (lane >> 4),
+            (Int64(row) * D + Int64(lane & 15) * 8) * 2,
+        )
     return (
         tile + first_row * (D * 2) + (lane & 1) * 8,
         lane >> 1,

@@ -66,7 +66,8 @@ def zero_padding_out(out_base: Int64, tid: Int32, bos: Int32, eos: Int32, num_ch
 
 def ldmatrix_a_offset(lane, kb):
     """Byte offset in a swizzled 16x128 tile of the row this lane addresses for the A operand
-    (rows x k) of k-block kb: matrix i = lane // 8 covers rows (i % 2) * 8.., k 16kb + (i // 2) * 8..
+    (rows x k) of k-block kb: matrix i = lane // 8 covers rows (i % 2) * 8.., k 16kb +
+    (i // 2) * 8..
     Swizzle (kernel_abi.md): granule c // 8 of row r is stored at granule (c // 8) ^ (r % 8)."""
     row = ((lane // 8) % 2) * 8 + lane % 8
     return row * 256 + ((2 * kb + (lane // 8) // 2) ^ (lane % 8)) * 16

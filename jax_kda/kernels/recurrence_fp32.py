@@ -39,8 +39,8 @@ ascending):
      MMAs), Oq_h = qd_hi.S_hi^T + (qd_hi.S_lo^T + qd_lo.S_hi^T) (three chains of 4);
      P = P_0 + P_1, Oq = Oq_0 + Oq_1 (add_halves; f32 addition is commutative bit for bit, so
      either warp of a pair may add its own half first).
-  3. u = (f32(v) - P) * b, b = sigmoid(f32(beta logit)) in f32 (ptx.sigmoid_exp2); split(u); the packed words of
-     rows past the sequence end are masked to 0, so u = 0 exactly there.
+  3. u = (f32(v) - P) * b, b = sigmoid(f32(beta logit)) in f32 (ptx.sigmoid_exp2); split(u); the
+     packed words of rows past the sequence end are masked to 0, so u = 0 exactly there.
   4. U = INV_hi.u_hi + (INV_hi.u_lo + INV_lo.u_hi); split(U).
   5. out = bf16(Oq + (Mqk_hi.U_hi + (Mqk_hi.U_lo + Mqk_lo.U_hi))): one f32 add, one rounding;
      rows past the end not written (registers -> global, 4-byte stores).
