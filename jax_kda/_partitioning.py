@@ -155,7 +155,7 @@ def _partitioned(step, layout: Layout, problem, present, ranks):
     # into whole groups. g stays replicated.
     group = problem.group
     factors = []
-    replicated = ["g"] if group > 1 else []
+    replicated = []  # in order of first appearance: Shardy wants the factor indices sorted
     for tag, axes, indices, rank_of in (
             ("i", layout.args, present, dict(zip(present, ranks))),
             ("o", layout.results, out_present, {i: len(shapes[i].shape) for i in out_present})):
@@ -163,7 +163,10 @@ def _partitioned(step, layout: Layout, problem, present, ranks):
             names = []
             for d in range(rank_of[i]):
                 if d == axes[i]:
-                    names.append("h" if group == 1 or (tag, i) in _QK_ARGS else "(h g)")
+                    grouped = group > 1 and (tag, i) not in _QK_ARGS
+                    names.append("(h g)" if grouped else "h")
+                    if grouped and "g" not in replicated:
+                        replicated.append("g")
                 else:
                     name = f"{tag}{number}d{d}"
                     names.append(name)
