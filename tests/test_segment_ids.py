@@ -8,7 +8,8 @@
    document, several rows of several documents, a row starting with the id the previous one
    ended with;
 3. under vmap and jit: spare rows past the documents (empty documents) and more documents than
-   max_segments (NaN under jit, an error outside);
+   max_segments (NaN under jit, an error outside); the kernel backend lowers to one pair of
+   kernel calls, under value_and_grad and vmap too;
 4. every error, named.
 Inputs are fresh random numbers (seed printed) in a gate regime with never-forgetting channels.
 The kernels: tests/test_gpu_segment_ids.py.
@@ -163,6 +164,29 @@ def test_vmap_spare_rows_and_too_many_documents(rng):
                                          r"than max_segments = 5"):
         call(**{name: stacked[name][1] for name in DATA}, segment_ids=ids[1],
              initial_state=states[1], max_segments=max_segments)
+
+
+def test_kernel_backend_lowers_to_one_pair_of_kernel_calls(monkeypatch):
+    """backend="kernel" lowered for CUDA (no GPU needed): the documents are one packed call, so
+    value_and_grad and a vmap of it each hold the prepare and the recurrence custom calls once."""
+    from jax_kda import api
+
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    rng = np.random.default_rng(0)
+    args = make_inputs(rng, 2, 24, 1)
+    ids = random_ids(rng, ((1, 12, 11), (24,)))
+
+    def loss(a, i):
+        out, final = jax_kda.kda_prefill(**a, segment_ids=i, max_segments=5, backend="kernel",
+                                         output_final_state=True)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final.astype(jnp.float32))
+
+    stack = lambda x: jnp.stack([x, x])
+    for fn, given in ((jax.value_and_grad(loss), (args, ids)),
+                      (jax.vmap(loss), (jax.tree.map(stack, args), stack(ids)))):
+        text = jax.jit(fn).trace(*given).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @jax_kda_prepare_v1(") == 1, fn
+        assert text.count("custom_call @jax_kda_recurrence_v1(") == 1, fn
 
 
 def test_default_max_segments_is_every_token():
