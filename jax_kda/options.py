@@ -115,8 +115,13 @@ def check_segment_ids_options(fn: str, *, segment_ids: bool, max_segments, cu_se
             raise ValueError(f"{fn}: max_segments bounds the documents of segment_ids; it needs "
                              "segment_ids (leave it None without)")
         return None
-    if max_segments is not None:
-        max_segments = check_max_segments(fn, max_segments)
+    if max_segments is None:
+        raise ValueError(
+            f"{fn}: segment_ids needs max_segments, a static bound on the documents it may hold "
+            "(it fixes the shapes: one state, workspace slot and kernel block row per document, "
+            "and the backward's memory grows with it); B * T always holds them but costs a "
+            "state per token")
+    max_segments = check_max_segments(fn, max_segments)
     excluded = {
         "cu_seqlens": (cu_seqlens, "both say where documents start: pass one of them"),
         "state_indices": (pooled, "state pools serve packed sequences: pass cu_seqlens "
@@ -128,10 +133,4 @@ def check_segment_ids_options(fn: str, *, segment_ids: bool, max_segments, cu_se
     for name, (given, why) in excluded.items():
         if given:
             raise ValueError(f"{fn}: segment_ids and {name} exclude each other ({why})")
-    if states and max_segments is None:
-        raise ValueError(
-            f"{fn}: with segment_ids the initial and final states hold one state per document, "
-            "[max_segments, H, 128, 128]: pass max_segments (the default, B * T, would be a "
-            "state per token)"
-        )
     return max_segments

@@ -189,24 +189,13 @@ def test_kernel_backend_lowers_to_one_pair_of_kernel_calls(monkeypatch):
         assert text.count("custom_call @jax_kda_recurrence_v1(") == 1, fn
 
 
-def test_default_max_segments_is_every_token():
-    """Left out (no states), max_segments is B * T: every token could start a document."""
-    args = make_inputs(np.random.default_rng(0), B, T, H)
-    traced = jax.jit(lambda a, i: jax_kda.kda_prefill(**a, segment_ids=i)).trace(
-        args, jnp.zeros((B, T), jnp.int32))
-    cu_shapes = [v.aval.shape for eqn in traced.jaxpr.eqns for v in eqn.outvars
-                 if v.aval.shape == (B * T + 1,)]
-    assert cu_shapes, "no cu_seqlens of B * T + 1 entries in the program"
-    out, final = traced.out_info
-    assert out.shape == (B, T, H, 128) and final is None
-
-
 # ------------------------------------------------------------------------------ 4. errors
 
 
 def _trace(**options):
     args = make_inputs(np.random.default_rng(0), 2, 8, 1)
     ids = options.pop("segment_ids", jnp.zeros((2, 8), jnp.int32))
+    options.setdefault("max_segments", 4)
     jax.jit(lambda a, i: jax_kda.kda_prefill(**a, segment_ids=i, **options)).trace(args, ids)
 
 
@@ -228,10 +217,9 @@ def _trace(**options):
     ({"max_segments": 0}, ValueError, "max_segments must be a static int >= 1"),
     ({"max_segments": 2.0}, ValueError, "max_segments must be a static int >= 1"),
     ({"max_segments": True}, ValueError, "max_segments must be a static int >= 1"),
-    ({"output_final_state": True}, ValueError,
-     "with segment_ids the initial and final states .* pass max_segments"),
-    ({"initial_state": jnp.zeros((16, 1, 128, 128), jnp.float32)}, ValueError,
-     "with segment_ids the initial and final states .* pass max_segments"),
+    ({"max_segments": None}, ValueError, "segment_ids needs max_segments, a static bound"),
+    ({"max_segments": None, "output_final_state": True}, ValueError,
+     "segment_ids needs max_segments, a static bound"),
     ({"initial_state": jnp.zeros((3, 1, 128, 128), jnp.float32), "max_segments": 4}, ValueError,
      r"initial_state must have shape \[max_segments, H, 128, 128\] \(one state per document\)"),
 ])
