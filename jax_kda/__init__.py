@@ -4,12 +4,13 @@ GPU kernels (CuTe DSL, compiled ahead of time, called through XLA FFI) where bui
 CUDA, and a pure-JAX chunkwise reference that runs anywhere and mirrors the kernels' numerics.
 """
 
-from . import checkpoints, export, options
+from . import checkpoints, export, options, segments
 from ._ffi import kernels_available, unavailable_reason
 from ._vjp import KdaInferenceOnlyError
 from .api import KernelsUnavailableError, kda_decode, kda_prefill
 from .checkpoints import checkpoint_offsets
 from .export import disabled_safety_checks
+from .segments import cu_seqlens_from_segment_ids
 from .sharding import kda_decode_sharded, kda_prefill_sharded
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __all__ = [
     "__version__",
     "checkpoint_offsets",
     "checkpoints",
+    "cu_seqlens_from_segment_ids",
     "disabled_safety_checks",
     "export",
     "kda_decode",
@@ -27,5 +29,6 @@ __all__ = [
     "kda_prefill_sharded",
     "kernels_available",
     "options",
+    "segments",
     "unavailable_reason",
 ]

@@ -2,9 +2,9 @@
 
 Everything that shapes and dtypes can tell is checked here, before anything is traced into XLA, so
 bad input fails with an error naming the argument instead of a crash or silent garbage. Values
-inside cu_seqlens and state_indices are checked only when they are concrete (not under jit); what
-the kernels do with malformed values is documented at `check_cu_seqlens_values` and
-`check_state_index_values`.
+inside cu_seqlens, state_indices and segment_ids are checked only when they are concrete (not under
+jit); what the kernels do with malformed values is documented at `check_cu_seqlens_values`,
+`check_state_index_values` and `jax_kda.segments.check_document_count`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from . import _sequence_parallel, options
 from .checkpoints import checkpoint_capacity
 from .contract import HEAD_DIM, MAX_DECODE_TOKENS
 from .problem import DecodeProblem, Problem
+from .segments import check_document_count, check_segment_ids
 
 STATE_DTYPES = (jnp.bfloat16, jnp.float32)
 
@@ -137,13 +138,20 @@ def _check_state_indices(fn: str, state_indices, num_seqs: int, pool_rows: int) 
 def check_prefill(
     q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound, initial_state, output_final_state,
     cu_seqlens, state_indices, checkpoint_every, numerics, inverse, sequence_parallel,
-    recurrence, backend, fn: str = "kda_prefill",
+    recurrence, backend, segment_ids=None, max_segments=None, fn: str = "kda_prefill",
 ) -> Problem:
     """Validates kda_prefill's arrays and options (jax_kda.options has the option rules);
-    returns the derived Problem."""
+    returns the derived Problem. With segment_ids it describes the packed call that runs the
+    documents (B = 1, T = B * T, N = max_segments; jax_kda.segments)."""
     options.check_numerics(fn, numerics, inverse)
     options.check_backend(fn, backend)
     checkpoint_every = options.check_checkpoint_every(fn, checkpoint_every)
+    max_segments = options.check_segment_ids_options(
+        fn, segment_ids=segment_ids is not None, max_segments=max_segments,
+        cu_seqlens=cu_seqlens is not None, pooled=state_indices is not None,
+        checkpoint_every=checkpoint_every,
+        states=initial_state is not None or (isinstance(output_final_state, (bool, np.bool_))
+                                             and bool(output_final_state)))
     recurrence = options.check_recurrence(fn, recurrence, numerics=numerics,
                                           pooled=state_indices is not None,
                                           checkpoint_every=checkpoint_every)
@@ -165,7 +173,14 @@ def check_prefill(
     scale, lower_bound = _check_scalars(fn, scale, lower_bound)
     _check_bool(fn, "output_final_state", output_final_state)
 
-    if cu_seqlens is None:
+    states_meaning = "[N, H, 128, 128] (N = number of sequences)"
+    if segment_ids is not None:
+        check_segment_ids(fn, segment_ids, (B, T))
+        N = B * T if max_segments is None else max_segments
+        check_document_count(fn, segment_ids, N)
+        B, T, varlen = 1, B * T, True  # the packed call
+        states_meaning = "[max_segments, H, 128, 128] (one state per document)"
+    elif cu_seqlens is None:
         N, varlen = B, False
     else:
         cu_shape = _shape_of(fn, "cu_seqlens", cu_seqlens)
@@ -196,7 +211,7 @@ def check_prefill(
         state_dtype = np.dtype(initial_state.dtype)
         if state_indices is None:
             _expect_shape(fn, "initial_state", initial_state, (N, H, HEAD_DIM, HEAD_DIM),
-                          "[N, H, 128, 128] (N = number of sequences)")
+                          states_meaning)
         else:
             pool_rows = _check_pool(fn, "initial_state", initial_state, H)
             _check_state_indices(fn, state_indices, N, pool_rows)

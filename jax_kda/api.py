@@ -20,7 +20,7 @@ import functools
 import jax
 from jax import lax
 
-from . import _batching, _checks, _ffi, _kernel_path, _partitioning, _reference_path, _vjp
+from . import _batching, _checks, _ffi, _kernel_path, _partitioning, _reference_path, _vjp, segments
 from .problem import Problem
 
 
@@ -35,6 +35,8 @@ def kda_prefill(
     initial_state=None,
     output_final_state=False,
     cu_seqlens=None,
+    segment_ids=None,
+    max_segments=None,
     state_indices=None,
     checkpoint_every=None,
     numerics="flashkda",
@@ -56,11 +58,33 @@ def kda_prefill(
       scale: output scale > 0, default 128 ** -0.5 (static).
       lower_bound: gate lower bound in [-5, 0) (static).
       initial_state: None (zeros) or bf16/f32 [N, H, 128, 128], stored V-major: state[n, h, v, k];
-        with state_indices, a state pool [P, H, 128, 128].
+        with state_indices, a state pool [P, H, 128, 128]; with segment_ids, one per document
+        [max_segments, H, 128, 128].
       output_final_state: return the final state (dtype of initial_state; if none is given,
         bf16 with numerics="flashkda" and f32 with numerics="fp32"); with state_indices, the
-        updated pool.
+        updated pool; with segment_ids, one per document (max_segments rows).
       cu_seqlens: None, or int32/int64 [N+1] with B == 1: packed variable-length sequences.
+      segment_ids: None, or an integer array [B, T] (int32 as JAX attention kernels take it):
+        packed documents (jax_kda.segments). Within a row a run of equal ids is one document; a
+        change of id starts the next and every row starts a new one. Each document starts from
+        a zero state, or from its row of initial_state; documents are numbered in row-major
+        order (document 0 is the first of row 0). There is no padding id: a padding run is one
+        more document, with whatever outputs the math gives it (mask its loss). Runs as the
+        packed call on cu_seqlens_from_segment_ids(segment_ids, max_segments) (computed on
+        device), reshaped: bitwise that call's outputs, states and gradients. Not with cu_seqlens,
+        state_indices or checkpoint_every (pass cu_seqlens from
+        jax_kda.cu_seqlens_from_segment_ids for those).
+      max_segments: required with segment_ids: a static int >= 1 bounding the number of
+        documents (B * T always holds them). It is the cost knob: the kernels' grids run over
+        (document, head) and hold an initial and a final state (32 KiB per head each in bf16)
+        and a workspace slot per document; the reference backend and the backward handle
+        max_segments x ceil(B * T / 16) chunks. Pass the real bound. With initial_state or
+        output_final_state the states are [max_segments, H, 128, 128], row d for
+        document d; rows past the last document are empty documents: their final state is the
+        initial state as an empty packed sequence returns it (rounded to bf16 in the flashkda
+        mode; zeros without an initial state). More documents than max_segments raise when
+        segment_ids is concrete; under jit they cannot be counted before the call runs, and
+        the outputs and final states are NaN (so is a loss of them).
       state_indices: None, or int32 [N]: sequence n starts from row state_indices[n] of the pool
         `initial_state` and its final state is written back to that row (in place when the pool
         is donated); other rows are untouched. A negative index marks a padding slot: no row is
@@ -125,10 +149,18 @@ def kda_prefill(
         initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, state_indices=state_indices, checkpoint_every=checkpoint_every,
         numerics=numerics, inverse=inverse, sequence_parallel=sequence_parallel,
-        recurrence=recurrence, backend=backend)
+        recurrence=recurrence, backend=backend, segment_ids=segment_ids,
+        max_segments=max_segments)
+    tokens = (q, k, v, g, beta)
     cu = None if cu_seqlens is None else cu_seqlens.astype("int32")
-    arrays = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu, state_indices, None)
+    if segment_ids is not None:  # the documents as one packed call (jax_kda.segments)
+        tokens = tuple(segments.pack(x) for x in tokens)
+        cu, num_documents = segments.packed_boundaries(segment_ids, problem.num_seqs)
+    arrays = (*tokens, A_log, dt_bias, initial_state, cu, state_indices, None)
     out, final_state, checkpoints = run_checked(arrays, problem)
+    if segment_ids is not None:
+        out, final_state = segments.unpack(out, final_state, num_documents, batch=q.shape[0],
+                                           seqlen=q.shape[1], max_segments=problem.num_seqs)
     final_state = final_state if output_final_state else None
     if checkpoint_every is None:
         return out, final_state

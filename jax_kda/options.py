@@ -93,3 +93,44 @@ def check_recurrence(fn: str, recurrence, *, numerics: str, pooled: bool,
             "a column count)"
         )
     return recurrence if isinstance(recurrence, str) else int(recurrence)
+
+
+def check_max_segments(fn: str, max_segments) -> int:
+    """The static bound on segment_ids' documents: an int >= 1."""
+    if (isinstance(max_segments, bool) or not isinstance(max_segments, numbers.Integral)
+            or max_segments < 1):
+        raise ValueError(
+            f"{fn}: max_segments must be a static int >= 1 (the most documents segment_ids may "
+            f"hold; it fixes the shapes), got {max_segments!r}"
+        )
+    return int(max_segments)
+
+
+def check_segment_ids_options(fn: str, *, segment_ids: bool, max_segments, cu_seqlens: bool,
+                              pooled: bool, checkpoint_every, states: bool) -> int | None:
+    """Which options go with segment_ids (given or not): returns max_segments checked, None when
+    not given. states: an initial state is passed or the final state asked for."""
+    if not segment_ids:
+        if max_segments is not None:
+            raise ValueError(f"{fn}: max_segments bounds the documents of segment_ids; it needs "
+                             "segment_ids (leave it None without)")
+        return None
+    if max_segments is None:
+        raise ValueError(
+            f"{fn}: segment_ids needs max_segments, a static bound on the documents it may hold "
+            "(it fixes the shapes: one state, workspace slot and kernel block row per document, "
+            "and the backward's memory grows with it); B * T always holds them but costs a "
+            "state per token")
+    max_segments = check_max_segments(fn, max_segments)
+    excluded = {
+        "cu_seqlens": (cu_seqlens, "both say where documents start: pass one of them"),
+        "state_indices": (pooled, "state pools serve packed sequences: pass cu_seqlens "
+                                  "(jax_kda.cu_seqlens_from_segment_ids gives it)"),
+        "checkpoint_every": (checkpoint_every is not None,
+                             "checkpoints are placed by sequence: pass cu_seqlens "
+                             "(jax_kda.cu_seqlens_from_segment_ids gives it)"),
+    }
+    for name, (given, why) in excluded.items():
+        if given:
+            raise ValueError(f"{fn}: segment_ids and {name} exclude each other ({why})")
+    return max_segments

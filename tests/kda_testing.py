@@ -1,5 +1,5 @@
-"""What the tests share: random kda inputs in named gate regimes, random initial states, and
-bitwise comparisons.
+"""What the tests share: random kda inputs in named gate regimes, random initial states, segment
+ids of given document lengths, and bitwise comparisons.
 
 Gate regimes (A_log [H], dt_bias [H, 128], raw gate g [B, T, H, 128]):
 * "mixed" (the default): A_log ~ U(-2, 1), dt_bias ~ N(0, 1), g ~ N(0, 1); per channel, decays
@@ -75,6 +75,33 @@ def random_states(rng, rows: int, H: int, dtype=jnp.float32, scale: float = 0.1)
     if np.dtype(dtype) == np.float32 and states.size:
         assert np.mean(states != states.astype(jnp.bfloat16).astype(np.float32)) > 0.99
     return jnp.asarray(states, dtype)
+
+
+def numpy_documents(ids):
+    """Segment ids [B, T] -> (cu_seqlens of their documents over the flattened tokens, document
+    count), one token at a time: what jax_kda.segments computes on device."""
+    starts = []
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1]):
+            if t == 0 or ids[b, t] != ids[b, t - 1]:
+                starts.append(b * ids.shape[1] + t)
+    return np.asarray(starts + [ids.size], np.int32), len(starts)
+
+
+def random_ids(rng, rows):
+    """int32 segment ids [len(rows), sum(rows[0])]: row b holds documents of lengths rows[b], with
+    random ids (no two neighbouring runs equal); each row starts with the id the previous row
+    ended with (still a new document)."""
+    ids, last = [], int(rng.integers(-4, 4))
+    for lengths in rows:
+        row, value = [], last
+        for i, n in enumerate(lengths):
+            if i:
+                value = int(rng.choice([x for x in range(-4, 4) if x != value]))
+            row += [value] * n
+        ids.append(row)
+        last = value
+    return jnp.asarray(ids, jnp.int32)
 
 
 def bits(x) -> np.ndarray:

@@ -63,3 +63,44 @@ def test_every_option_combination_fails_alike_on_every_backend(monkeypatch):
     total = int(np.prod([len(v) for v in GRID.values()]))
     # the grid holds both kinds: the comparison above saw errors and clean traces
     assert 0 < raised < total, (raised, total)
+
+
+SEGMENT_GRID = {
+    "cu_seqlens": (False, True),
+    "pool": (False, True),
+    "checkpoint_every": (None, 16),
+    "max_segments": (None, 0, 4),
+    "output_final_state": (False, True),
+}
+
+
+def test_segment_ids_rules_fail_alike_on_every_backend(monkeypatch):
+    """segment_ids with every option it cannot go with, max_segments good and bad, states asked
+    for with and without max_segments: the same error (or none) on every backend."""
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    args = _args()
+    ids = jnp.asarray([[0] * 10 + [1] * 30], jnp.int32)
+    raised = 0
+    for values in itertools.product(*SEGMENT_GRID.values()):
+        combo = dict(zip(SEGMENT_GRID, values))
+        kwargs = {"segment_ids": ids, "output_final_state": combo["output_final_state"],
+                  "max_segments": combo["max_segments"],
+                  "checkpoint_every": combo["checkpoint_every"]}
+        if combo["cu_seqlens"]:
+            kwargs["cu_seqlens"] = jnp.asarray([0, 10, T], jnp.int32)
+        if combo["pool"]:
+            kwargs["initial_state"] = jnp.zeros((3, H, 128, 128), jnp.float32)
+            kwargs["state_indices"] = jnp.zeros((4,), jnp.int32)
+        outcomes = set()
+        for backend, installed in (("auto", False), ("auto", True), ("reference", True),
+                                   ("kernel", True)):
+            monkeypatch.setattr(_ffi, "kernels_available", lambda installed=installed: installed)
+            try:
+                jax.jit(lambda a: jax_kda.kda_prefill(**a, **kwargs, backend=backend)).trace(args)
+                outcomes.add(None)
+            except (TypeError, ValueError) as error:
+                outcomes.add((type(error).__name__, str(error)))
+        assert len(outcomes) == 1, (combo, outcomes)
+        raised += outcomes != {None}
+    total = int(np.prod([len(v) for v in SEGMENT_GRID.values()]))
+    assert 0 < raised < total, (raised, total)
