@@ -151,7 +151,7 @@ def check_prefill(
                                                checkpoint_every=checkpoint_every)
     save_states_every = options.check_save_states_every(
         fn, save_states_every, pooled=state_indices is not None,
-        checkpoint_every=checkpoint_every, segments=segments, backend=backend)
+        checkpoint_every=checkpoint_every, segments=segments)
     q_shape = _shape_of(fn, "q", q)
     if len(q_shape) != 4:
         raise ValueError(f"{fn}: q must have rank 4 [B, T, Hk, {HEAD_DIM}], got shape {q_shape}")

@@ -105,7 +105,8 @@ def kda_prefill(
         sequence's f32 state every n tokens, from an fp32-mode forward with checkpoints, and the
         backward recomputes the states inside each n-token segment, all segments at once
         (docs/training.md: memory, time, accuracy). The outputs are unchanged, bitwise. Not with
-        backend="reference", state pools, checkpoint_every or sequence_parallel counts.
+        state pools, checkpoint_every or sequence_parallel counts; backend="reference" (plain
+        autodiff) ignores it.
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the

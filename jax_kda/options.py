@@ -96,12 +96,13 @@ def check_recurrence(fn: str, recurrence, *, numerics: str, pooled: bool,
 
 
 def check_save_states_every(fn: str, save_states_every, *, pooled: bool, checkpoint_every,
-                            segments, backend: str) -> int | None:
+                            segments) -> int | None:
     """None, or a positive multiple n of the chunk (16 tokens), as an int: under differentiation
     the forward also keeps each sequence's f32 state every n tokens for the backward
-    (jax_kda._vjp). It applies to the custom VJP of backends "auto" and "kernel" and only to
-    calls that have a derivative, so it excludes backend="reference" (plain JAX autodiff), state
-    pools, checkpoint_every and explicit sequence_parallel counts."""
+    (jax_kda._vjp). It only matters for calls that have a derivative, so it excludes state
+    pools, checkpoint_every and explicit sequence_parallel counts. backend="reference" accepts
+    and ignores it (plain JAX autodiff through the reference, whose residuals JAX chooses), so
+    that a call raises alike on every backend."""
     if save_states_every is None:
         return None
     if (isinstance(save_states_every, bool) or not isinstance(save_states_every, numbers.Integral)
@@ -109,12 +110,6 @@ def check_save_states_every(fn: str, save_states_every, *, pooled: bool, checkpo
         raise ValueError(
             f"{fn}: save_states_every must be None or a positive multiple of {CHUNK} (tokens "
             f"between the states the forward keeps for the backward), got {save_states_every!r}"
-        )
-    if backend == "reference":
-        raise ValueError(
-            f"{fn}: save_states_every applies to the custom VJP of backend='auto' and 'kernel'; "
-            "backend='reference' is plain JAX autodiff through the reference (JAX keeps its "
-            "residuals): leave save_states_every None there"
         )
     excluded = [name for name, given in (
         ("state pools (state_indices)", pooled), ("checkpoint_every", checkpoint_every is not None),

@@ -160,7 +160,6 @@ def test_segment_chains_rebuild_the_serial_chain(chunks_per_segment):
     ({"save_states_every": 24}, "save_states_every must be None or a positive multiple of 16"),
     ({"save_states_every": True}, "save_states_every must be None or a positive multiple"),
     ({"save_states_every": 16.0}, "save_states_every must be None or a positive multiple"),
-    ({"save_states_every": 16, "backend": "reference"}, "backend='reference' is plain JAX"),
     ({"save_states_every": 16, "checkpoint_every": 16}, "excludes checkpoint_every"),
     ({"save_states_every": 16, "state_indices": "pool"}, "excludes state pools"),
     ({"save_states_every": 16, "numerics": "fp32", "sequence_parallel": 2},
@@ -174,6 +173,21 @@ def test_bad_options_raise_naming_the_argument(options, message):
         options = dict(options, state_indices=jnp.zeros((1,), jnp.int32))
     with pytest.raises(ValueError, match=message):
         jax.eval_shape(lambda: jax_kda.kda_prefill(**args, initial_state=state, **options))
+
+
+def test_the_reference_backend_ignores_it():
+    """backend="reference" is plain JAX autodiff: the gradient's program is the same with n."""
+    rng = np.random.default_rng(2)
+    args = make_inputs(rng, 1, 48, 1)
+    state = random_states(rng, 1, 1)
+
+    def grad_program(every):
+        loss = lambda v: jnp.sum(jax_kda.kda_prefill(
+            **dict(args, v=v), initial_state=state, backend="reference",
+            save_states_every=every)[0].astype(jnp.float32))
+        return str(jax.make_jaxpr(jax.grad(loss))(args["v"]))
+
+    assert grad_program(16) == grad_program(None)
 
 
 # ------------------------------------------------------------------------ named residuals
