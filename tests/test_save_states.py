@@ -259,23 +259,28 @@ def test_without_save_states_every_no_states_are_kept(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("numerics, sequence_parallel", [("flashkda", "auto"), ("fp32", "off"),
-                                                         ("fp32", "auto")])
-def test_gpu_kernels_with_saved_states(kernel_gpus, rng, numerics, sequence_parallel):
+@pytest.mark.parametrize("numerics, sequence_parallel, packed", [
+    ("flashkda", "auto", True),  # the call and a second, fp32 forward for the states
+    ("fp32", "off", True),  # one forward: the call with checkpoints
+    ("fp32", "auto", False),  # one sequence that "auto" may cut: two forwards
+])
+def test_gpu_kernels_with_saved_states(kernel_gpus, rng, numerics, sequence_parallel, packed):
     """The kernel backend with n = 64 against the reference forward with n (backend "auto" on
-    the CPU device), packed sequences (an empty one, lengths no multiple of 64), grouped heads,
-    slow and never-forgetting channels; the outputs bitwise the plain call's; run to run the
+    the CPU device) and against recomputing every state; packed sequences (an empty one,
+    lengths no multiple of 64) or one sequence, grouped heads, slowly decaying heads beside
+    heads with never-forgetting channels; the outputs bitwise the plain call's; run to run the
     same bits."""
     Tg, Hk, Hg, every = 1024, 2, 4, 64
-    cu = jnp.asarray([0, 300, 300, 1000, Tg], jnp.int32)
-    args = make_inputs(rng, 1, Tg, Hg, regime="slow")
-    keep = make_inputs(rng, 1, Tg, Hg, regime="keep32")
-    args.update(g=keep["g"], dt_bias=keep["dt_bias"].at[: Hg // 2].set(args["dt_bias"][: Hg // 2]))
+    cu = jnp.asarray([0, 300, 300, 1000, Tg], jnp.int32) if packed else None
+    N = 4 if packed else 1
+    slow = make_inputs(rng, 1, Tg, Hg // 2, regime="slow")
+    keep = make_inputs(rng, 1, Tg, Hg // 2, regime="keep32")
+    per_head = {n: jnp.concatenate([slow[n], keep[n]], axis=0 if n in ("A_log", "dt_bias") else 2)
+                for n in DATA[2:]}
     qk = make_inputs(rng, 1, Tg, Hk)
-    args.update(q=qk["q"], k=qk["k"])
-    primals = (*(args[n] for n in DATA), random_states(rng, 4, Hg))
+    primals = (qk["q"], qk["k"], *(per_head[n] for n in DATA[2:]), random_states(rng, N, Hg))
     cotangents = (jnp.asarray(rng.standard_normal((1, Tg, Hg, 128)), jnp.bfloat16),
-                  jnp.asarray(rng.standard_normal((4, Hg, 128, 128)), jnp.float32))
+                  jnp.asarray(rng.standard_normal((N, Hg, 128, 128)), jnp.float32))
 
     def run(backend, every, device):
         def f(*p):
@@ -297,10 +302,14 @@ def test_gpu_kernels_with_saved_states(kernel_gpus, rng, numerics, sequence_para
                                        backend="kernel"))(primals)
     assert_bits(outputs[:2], plain[:2], "outputs")
     assert_bits(run("kernel", every, gpu)[1], got, "run to run")
-    _, want = run("auto", every, cpu)
-    _, exact_chain = run("auto", None, cpu)
-    for name, x, gx, w, w0 in zip(NAMES, primals, got, want, exact_chain):
+    _, want = run("auto", every, cpu)  # the fp32 reference's states: f32 sums in another order
+    _, every_state = run("auto", None, cpu)
+    for name, x, gx, w, w0 in zip(NAMES, primals, got, want, every_state):
         assert np.all(np.isfinite(np.asarray(gx, np.float32))), name
-        limit = BF16_RMSE if x.dtype == jnp.bfloat16 else F32_RMSE
-        assert gradients.rel_rmse(gx, np.asarray(w, np.float64)) <= limit, name
-        assert gradients.rel_rmse(gx, np.asarray(w0, np.float64)) <= limit, name
+        bf16 = x.dtype == jnp.bfloat16
+        error = gradients.rel_rmse(gx, np.asarray(w, np.float64))
+        assert error <= (BF16_RMSE if bf16 else F32_RMSE), (name, error)
+        # slow decays carry the saved states' error into the f32 gradients (docs/training.md:
+        # up to 2.1e-3 at n = 64, T = 1024)
+        error = gradients.rel_rmse(gx, np.asarray(w0, np.float64))
+        assert error <= (BF16_RMSE if bf16 else 1e-2), (name, error)
