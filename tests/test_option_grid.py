@@ -23,6 +23,7 @@ GRID = {
     "sequence_parallel": ("auto", "off", 2),
     "pool": (False, True),
     "checkpoint_every": (None, 16),
+    "save_states_every": (None, 16),
 }
 
 
