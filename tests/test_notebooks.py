@@ -83,7 +83,7 @@ def _images(nb) -> int:
 
 def test_the_notebooks_exist():
     assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "column_split.ipynb",
-                                           "serving.ipynb"}
+                                           "serving.ipynb", "training.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -100,7 +100,8 @@ def test_committed_without_outputs(path):
 def test_runs_top_to_bottom_on_cpu(path, monkeypatch, tmp_path):
     empty = tmp_path / "no_results"
     empty.mkdir()
-    nb = _execute(path, monkeypatch, JAX_KDA_BENCH_RESULTS=str(empty))
+    # JAX_KDA_NOTEBOOK_SHORT: training.ipynb's short run (the full one takes minutes on a CPU)
+    nb = _execute(path, monkeypatch, JAX_KDA_BENCH_RESULTS=str(empty), JAX_KDA_NOTEBOOK_SHORT="1")
     text = _outputs_text(nb)
     assert "Traceback" not in text
     figures = _assert_every_axes_has_data(nb)
@@ -109,6 +110,8 @@ def test_runs_top_to_bottom_on_cpu(path, monkeypatch, tmp_path):
         assert len(figures) == 1  # the SM-occupancy figure only
     if path.name == "serving.ipynb":
         _assert_serving_held(text)
+    if path.name == "training.ipynb":
+        _assert_training_held(text, figures)
 
 
 def _assert_serving_held(text: str) -> None:
@@ -127,6 +130,26 @@ def _assert_serving_held(text: str) -> None:
     assert errors, text
     assert all(0 < float(e) <= 1e-2 for e in errors.group(1).split(","))
     assert "token by token == prefill within the bound: True" in text
+
+
+def _assert_training_held(text: str, figures: list[list[int]]) -> None:
+    """What training.ipynb's short run shows on a CPU: one run, backend='auto' on the reference,
+    whose loss curve and accuracy curve have a point per step, and whose loss falls. The first
+    loss is about log(128) = 4.85 (the unembedding starts small); telling values from keys alone
+    brings it to log(64) = 4.16 (the recall itself needs more steps than the short run takes)."""
+    assert "trains with backend='auto' only, which runs the pure-JAX reference here" in text
+    assert "run: short" in text
+    steps = int(re.search(r"(\d+) batches of \d+ sequences of T = \d+ tokens", text).group(1))
+    assert 10 <= steps <= 100, steps
+    assert figures == [[steps, steps]], figures  # loss and accuracy per step, one run each
+    losses = re.search(r"training loss, mean of the first 5 steps: ([-+.\deinfa]+); of the last "
+                       r"5 steps: ([-+.\deinfa]+)", text)
+    assert losses, text
+    first, last = float(losses.group(1)), float(losses.group(2))
+    assert 4.5 < first < 5.2, (first, last)  # about log(128): the model starts uninformed
+    assert last < first - 0.3, (first, last)  # nan fails both
+    accuracy = re.search(r"recall accuracy on 256 fresh sequences: ([.\d]+)", text)
+    assert accuracy and 0.0 <= float(accuracy.group(1)) <= 1.0, text
 
 
 def _synthetic_gpu_results(folder: pathlib.Path) -> None:
