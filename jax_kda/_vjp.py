@@ -79,11 +79,8 @@ def with_gradients(run, layout, present, mesh, problem, *given):
     return run(layout, present, mesh, _the_call(problem), *given)
 
 
-def _the_call(problem):
-    """The call without its residual policy (the same program as without save_states_every);
-    a decode problem has none."""
-    if getattr(problem, "save_states_every", None) is None:
-        return problem
+def _the_call(problem: Problem) -> Problem:
+    """The call without its residual policy (the same program as without save_states_every)."""
     return dataclasses.replace(problem, save_states_every=None)
 
 
