@@ -6,15 +6,11 @@ relative RMSE of every gradient, per gate regime, for
   autodiff <mode>  jax.vjp through the pure-JAX reference of numerics mode <mode>
   rounding         the exact gradient rounded to its dtype (bf16 for q, k, v, g, beta; f32 else):
                    the floor of any method that returns that dtype
-  <mode> states n  (with --save-states-every) jax.vjp of kda_prefill(numerics=<mode>,
-                   save_states_every=n) through its custom VJP (on the CPU around the reference
-                   forward); "None": every state recomputed from the inputs
 
 Cases: jax_kda.bench.gradients (bf16-valued initial state and cotangents, both cotangents ~ N(0, 1)).
 Runs on the CPU; T = 1024 and 4 heads take a few minutes.
 
   python benchmarks/grad_accuracy.py [--T 1024] [--heads 4] [--regimes strong,fla,...] [--out x.json]
-      [--save-states-every None,16,64,256] [--policies-only]
 """
 
 from __future__ import annotations
@@ -31,19 +27,14 @@ from jax_kda.bench import gradients
 COLUMNS = gradients.GRADIENT_NAMES
 
 
-def measure(rng, T, heads, regime, policies=(), policies_only=False):
+def measure(rng, T, heads, regime):
     case = gradients.make_case(rng, T, heads, regime)
     want = gradients.exact(case)
     rows = {"rounding": [gradients.rounding_error(w, x) for w, x in zip(want, case.primals)]}
-    methods = {}
-    if not policies_only:
-        f32, returned = gradients.backward(case)
-        methods = {"backward": returned, "backward f32": f32,
-                   "autodiff flashkda": gradients.reference_autodiff("flashkda", case),
-                   "autodiff fp32": gradients.reference_autodiff("fp32", case)}
-    for mode in gradients.REFERENCE_MODES:
-        for every in policies:
-            methods[f"{mode} states {every}"] = gradients.prefill_vjp(mode, case, every)
+    f32, returned = gradients.backward(case)
+    methods = {"backward": returned, "backward f32": f32,
+               "autodiff flashkda": gradients.reference_autodiff("flashkda", case),
+               "autodiff fp32": gradients.reference_autodiff("fp32", case)}
     for name, got in methods.items():
         rows[name] = [gradients.rel_rmse(g, w) if np.all(np.isfinite(np.asarray(g, np.float32)))
                       else float("nan") for g, w in zip(got, want)]
@@ -66,20 +57,12 @@ def main():
     p.add_argument("--regimes", default=",".join(gradients.GRADIENT_REGIMES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the results as JSON")
-    p.add_argument("--save-states-every", default="",
-                   help="comma-separated save_states_every values (None or multiples of 16): "
-                        "rows of kda_prefill's custom VJP with each, in both numerics modes")
-    p.add_argument("--policies-only", action="store_true",
-                   help="only the rounding floor and the --save-states-every rows")
     args = p.parse_args()
-    policies = [None if n == "None" else int(n)
-                for n in args.save_states_every.split(",") if n]
     rng = np.random.default_rng(args.seed)
     results = {}
     for regime in args.regimes.split(","):
         started = time.time()
-        results[regime] = measure(rng, args.T, args.heads, regime, policies,
-                                  args.policies_only)
+        results[regime] = measure(rng, args.T, args.heads, regime)
         print(f"{regime}: {time.time() - started:.0f} s", flush=True)
     print(f"\nRelative RMSE vs the float64 oracle, T = {args.T}, {args.heads} heads "
           f"(NaN: the method's gradient has non-finite values)\n")

@@ -2,16 +2,12 @@
 importable) jax-linear-attention's, in one process on the same inputs.
 
     python benchmarks/training_step.py --heads 96,12,6 --seqlen 8192 --out training.json
-        [--save-states-every 16,64,256]
 
 Each variant is one jitted chain of R calls (jax_kda.bench.timing: R grows until a chain takes
 >= 5 ms, dispatch amortised), each call's A_log depending on the previous call's results so that
 XLA can neither merge nor drop calls. The loss is sum(out * w_out) + sum(final_state * w_state)
 with fixed random weights; "train" is jax.value_and_grad of it w.r.t. q, k, v, g, beta, A_log,
-dt_bias and the initial state; "forward" is the loss alone; "train:<numerics>:states<n>" is
-"train" with kda_prefill(..., save_states_every=n) (the forward also keeps the f32 state every n
-tokens, the backward's state recompute runs per segment; docs/training.md), beside "train" with
-every state recomputed (n = None). jla's gate and beta sigmoid are
+dt_bias and the initial state; "forward" is the loss alone. jla's gate and beta sigmoid are
 computed in JAX inside the differentiated function (jla takes them applied), so its A_log and
 dt_bias gradients come from JAX autodiff of that glue. Strong-decay inputs as the bench's
 baselines (jax_kda.bench.inputs). Medians of --repeats samples, microseconds.
@@ -47,11 +43,11 @@ def make_inputs(rng, T, H):
     }
 
 
-def jax_kda_loss(numerics, weights, x, save_states_every=None):
+def jax_kda_loss(numerics, weights, x):
     out, state = jax_kda.kda_prefill(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
         initial_state=x["state"], output_final_state=True, numerics=numerics,
-        lower_bound=LOWER_BOUND, scale=SCALE, save_states_every=save_states_every)
+        lower_bound=LOWER_BOUND, scale=SCALE)
     return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(state * weights[1])
 
 
@@ -73,15 +69,12 @@ def _feedback(args, outs):
     return (dict(x, A_log=x["A_log"] + 0.0 * leaf.reshape(-1)[0].astype(jnp.float32)),)
 
 
-def variants(weights, save_states_every=(16, 64, 256)):
+def variants(weights):
     found = {}
     for numerics in ("flashkda", "fp32"):
         loss = functools.partial(jax_kda_loss, numerics, weights)
         found[f"forward:{numerics}"] = loss
         found[f"train:{numerics}"] = jax.value_and_grad(loss)
-        for n in save_states_every:
-            found[f"train:{numerics}:states{n}"] = jax.value_and_grad(
-                functools.partial(loss, save_states_every=n))
     try:
         kda = importlib.import_module("jla.ops.mosaic_gpu.kda").kda
     except Exception as err:  # noqa: BLE001 - an absent peer is reported, not fatal
@@ -97,19 +90,15 @@ def main(argv=None):
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--only", default="", help="comma-separated variant names (default: all)")
-    p.add_argument("--save-states-every", default="16,64,256",
-                   help="comma-separated save_states_every values of the extra train variants "
-                        "('' for none)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    policies = tuple(int(n) for n in args.save_states_every.split(",") if n)
     rows = []
     for H in (int(h) for h in args.heads.split(",")):
         rng = np.random.default_rng(H)
         x = make_inputs(rng, args.seqlen, H)
         weights = (jnp.asarray(rng.standard_normal((1, args.seqlen, H, 128)), jnp.float32),
                    jnp.asarray(rng.standard_normal((1, H, 128, 128)), jnp.float32))
-        for name, fn in variants(weights, policies).items():
+        for name, fn in variants(weights).items():
             if args.only and name not in args.only.split(","):
                 continue
             try:

@@ -138,8 +138,7 @@ def _check_state_indices(fn: str, state_indices, num_seqs: int, pool_rows: int) 
 def check_prefill(
     q, k, v, g, beta, A_log, dt_bias, *, scale, lower_bound, initial_state, output_final_state,
     cu_seqlens, state_indices, checkpoint_every, numerics, inverse, sequence_parallel,
-    recurrence, backend, segment_ids=None, max_segments=None, save_states_every=None,
-    fn: str = "kda_prefill",
+    recurrence, backend, segment_ids=None, max_segments=None, fn: str = "kda_prefill",
 ) -> Problem:
     """Validates kda_prefill's arrays and options (jax_kda.options has the option rules);
     returns the derived Problem. With segment_ids it describes the packed call that runs the
@@ -158,9 +157,6 @@ def check_prefill(
                                           checkpoint_every=checkpoint_every)
     segments = options.check_sequence_parallel(fn, sequence_parallel, numerics=numerics,
                                                checkpoint_every=checkpoint_every)
-    save_states_every = options.check_save_states_every(
-        fn, save_states_every, pooled=state_indices is not None,
-        checkpoint_every=checkpoint_every, segments=segments)
     q_shape = _shape_of(fn, "q", q)
     if len(q_shape) != 4:
         raise ValueError(f"{fn}: q must have rank 4 [B, T, Hk, {HEAD_DIM}], got shape {q_shape}")
@@ -221,8 +217,7 @@ def check_prefill(
             _check_state_indices(fn, state_indices, N, pool_rows)
     problem = Problem(B, T, H, N, varlen, state_dtype, scale, lower_bound, pool_rows,
                       checkpoint_every, checkpoint_capacity(B, T, varlen, checkpoint_every),
-                      numerics, inverse, recurrence, backend, qk_heads=Hk,
-                      save_states_every=save_states_every)
+                      numerics, inverse, recurrence, backend, qk_heads=Hk)
     return _sequence_parallel.with_segments(problem, segments)
 
 

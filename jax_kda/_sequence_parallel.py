@@ -162,15 +162,6 @@ def with_segments(problem, segments):
     return problem if length is None else dataclasses.replace(problem, segment_length=length)
 
 
-def always_serial(problem) -> bool:
-    """Whether `problem` runs the serial recurrence whatever size the kernel path sees (after
-    head partitioning and vmap folding): no explicit segments, and no "auto" plan, or one that
-    never cuts (packed input of several sequences, planned_segments; folding keeps it so)."""
-    if problem.segment_length is not None:
-        return False
-    return not problem.plan_segments or (problem.varlen and problem.num_seqs > 1)
-
-
 def resolved_length(problem, *, sm_count: int | None = None) -> int | None:
     """Tokens per piece (None: serial): the explicit choice, or the plan for "auto"."""
     if problem.segment_length is not None or not problem.plan_segments:

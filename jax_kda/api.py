@@ -44,7 +44,6 @@ def kda_prefill(
     sequence_parallel="auto",
     recurrence="auto",
     backend="auto",
-    save_states_every=None,
 ):
     """Kimi Delta Attention prefill (chunked delta-rule recurrence), forward only.
 
@@ -124,13 +123,6 @@ def kda_prefill(
         it.
       backend: "auto" (GPU kernels on CUDA when built, else the reference, decided per platform
         at lowering), "kernel" (raise if unavailable) or "reference" (pure JAX, differentiable).
-      save_states_every: None (default: the backward recomputes every state from the inputs) or
-        a positive multiple n of 16: under differentiation the forward also keeps each
-        sequence's f32 state every n tokens, from an fp32-mode forward with checkpoints, and the
-        backward recomputes the states inside each n-token segment, all segments at once
-        (docs/training.md: memory, time, accuracy). The outputs are unchanged, bitwise. Not with
-        state pools, checkpoint_every or sequence_parallel counts; backend="reference" (plain
-        autodiff) ignores it.
 
     Returns:
       (out bf16 [B, T, H, 128], final_state or None), and the checkpoints [C, H, 128, 128] in the
@@ -158,7 +150,7 @@ def kda_prefill(
         cu_seqlens=cu_seqlens, state_indices=state_indices, checkpoint_every=checkpoint_every,
         numerics=numerics, inverse=inverse, sequence_parallel=sequence_parallel,
         recurrence=recurrence, backend=backend, segment_ids=segment_ids,
-        max_segments=max_segments, save_states_every=save_states_every)
+        max_segments=max_segments)
     tokens = (q, k, v, g, beta)
     cu = None if cu_seqlens is None else cu_seqlens.astype("int32")
     if segment_ids is not None:  # the documents as one packed call (jax_kda.segments)

@@ -134,30 +134,3 @@ def check_segment_ids_options(fn: str, *, segment_ids: bool, max_segments, cu_se
         if given:
             raise ValueError(f"{fn}: segment_ids and {name} exclude each other ({why})")
     return max_segments
-
-
-def check_save_states_every(fn: str, save_states_every, *, pooled: bool, checkpoint_every,
-                            segments) -> int | None:
-    """None, or a positive multiple n of the chunk (16 tokens), as an int: under differentiation
-    the forward also keeps each sequence's f32 state every n tokens for the backward
-    (jax_kda._vjp). It only matters for calls that have a derivative, so it excludes state
-    pools, checkpoint_every and explicit sequence_parallel counts. backend="reference" accepts
-    and ignores it (plain JAX autodiff through the reference, whose residuals JAX chooses), so
-    that a call raises alike on every backend."""
-    if save_states_every is None:
-        return None
-    if (isinstance(save_states_every, bool) or not isinstance(save_states_every, numbers.Integral)
-            or save_states_every <= 0 or save_states_every % CHUNK):
-        raise ValueError(
-            f"{fn}: save_states_every must be None or a positive multiple of {CHUNK} (tokens "
-            f"between the states the forward keeps for the backward), got {save_states_every!r}"
-        )
-    excluded = [name for name, given in (
-        ("state pools (state_indices)", pooled), ("checkpoint_every", checkpoint_every is not None),
-        ("explicit sequence_parallel counts", segments != "auto" and segments > 1)) if given]
-    if excluded:
-        raise ValueError(
-            f"{fn}: save_states_every excludes {excluded[0]}: it only matters under "
-            "differentiation, and such calls have no derivative; leave save_states_every None"
-        )
-    return int(save_states_every)

@@ -46,9 +46,6 @@ class Problem:
     segment_length: int | None = None
     plan_segments: bool = False
     qk_heads: int | None = None  # Hk; None: H (no grouping)
-    # under differentiation the forward keeps the f32 state every that many tokens for the
-    # backward (jax_kda._vjp); None: the backward recomputes every state from the inputs
-    save_states_every: int | None = None
 
     def __post_init__(self):
         _fill_qk_heads(self)

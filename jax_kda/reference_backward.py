@@ -36,13 +36,6 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
      S_0 = initial state (zeros if none);
      P = kd S_c^T,  u = Diag(b) (v - P),  U = W u,  S_{c+1} = S_c Diag(gt) + U^T kr.
    Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32).
-   With saved states (`saved_states`: each sequence's f32 state after every n tokens, as
-   kda_prefill(..., numerics="fp32", checkpoint_every=n) returns them, jax_kda.checkpoints'
-   layout) the chain starts afresh at every n-token segment: segment j of a sequence starts
-   from its checkpoint j - 1 (segment 0 from the initial state) and runs its n / 16 - 1 steps,
-   all segments at once (a scan of n / 16 - 1 steps batched over segments; none for n = 16).
-   Segments wholly past a sequence's end start from zeros (their states meet only masked rows).
-   The result differs from the serial chain only by the saved states' own rounding.
 
 3. Reverse state-gradient chain, serial over chunks from the last (lax.scan reverse; `unroll`):
      dS_C = d_final_state;  per chunk, given dS_{c+1} (the gradient w.r.t. the state after it):
@@ -88,12 +81,11 @@ zeros, and an empty sequence's chain is dS_c = dS_{c+1} 1 + 0, so its d_initial_
 d_final_state.
 
 Memory: S_c and dS_{c+1} per chunk, 128 KiB per (sequence, head, chunk) (a kernel would save S_c
-every few chunks and recompute the rest); saved states add 64 KiB per (sequence, head, n tokens).
+every few chunks and recompute the rest).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -104,7 +96,6 @@ from jax import lax
 
 from . import head_groups
 from ._manual_axes import vary_like
-from .checkpoints import checkpoint_capacity, checkpoint_offsets
 from .contract import CHUNK, HEAD_DIM
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -283,80 +274,17 @@ def _delta_update(f: ChunkFactors, v, state):
     return residual, _dot("...rc,...cv->...rv", f.W, f.b[..., None] * residual)
 
 
-class _ChainFactors(NamedTuple):
-    """The parts of ChunkFactors that step 2's chain reads; leading axes [N, H, C]."""
-
-    kd: jax.Array
-    W: jax.Array
-    b: jax.Array
-    gt: jax.Array
-    kr: jax.Array
-
-
-def _state_chain(f: _ChainFactors, v, state0, unroll=1):
-    """Step 2's chain over the chunk axis (axis 2) from state0 [N, H, 128, 128]: (the state after
-    the last chunk, the state at every chunk's start [N, H, C, 128, 128])."""
+def forward_states(f: ChunkFactors, v, state0, unroll=1):
+    """Step 2: the state at every chunk's start, [N, H, C, 128, 128]."""
 
     def step(state, x):
         fc, vc = x
         _, U = _delta_update(fc, vc, state)
         return state * fc.gt[..., None, :] + _dot("...rv,...rk->...vk", U, fc.kr), state
 
-    xs = (_ChainFactors(*map(_chunks_first, f)), _chunks_first(v))
-    last, states = lax.scan(step, state0, xs, unroll=unroll)
-    return last, _chunks_back(states)
-
-
-def _chain_factors(f: ChunkFactors) -> _ChainFactors:
-    return _ChainFactors(f.kd, f.W, f.b, f.gt, f.kr)
-
-
-def forward_states(f: ChunkFactors, v, state0, unroll=1):
-    """Step 2: the state at every chunk's start, [N, H, C, 128, 128]."""
-    return _state_chain(_chain_factors(f), v, state0, unroll)[1]
-
-
-def forward_states_from_segments(f: ChunkFactors, v, segment_states, chunks_per_segment: int,
-                                 unroll=1):
-    """Step 2 from the states at every segment's start, segment_states [N, H, S, 128, 128]
-    (segment j: chunks j m .. j m + m - 1, m = chunks_per_segment, S = ceil(C / m)): each
-    segment's chain of m - 1 steps, all segments at once -> [N, H, C, 128, 128]."""
-    m, num_chunks = chunks_per_segment, v.shape[2]
-    segments = segment_states.shape[2]
-    if m == 1:
-        return segment_states
-
-    def split(x):  # [N, H, C, ...] -> the first m - 1 chunks of every segment [N, H, S, m-1, ...]
-        x = jnp.pad(x, [(0, 0), (0, 0), (0, segments * m - num_chunks)]
-                    + [(0, 0)] * (x.ndim - 3))
-        return x.reshape(x.shape[:2] + (segments, m) + x.shape[3:])[:, :, :, :m - 1]
-
-    chain = functools.partial(_state_chain, unroll=unroll)
-    last, starts = jax.vmap(chain, in_axes=2, out_axes=2)(
-        _ChainFactors(*map(split, _chain_factors(f))), split(v), segment_states)
-    states = jnp.concatenate([starts, last[:, :, :, None]], axis=3)  # [N, H, S, m, 128, 128]
-    return states.reshape(states.shape[:2] + (segments * m,) + states.shape[4:])[:, :, :num_chunks]
-
-
-def segment_start_states(state0, saved_states, cu_seqlens, batch: int, seqlen: int,
-                         save_states_every: int, segments: int):
-    """The state at the start of every save_states_every-token segment of every sequence,
-    f32 [N, H, S, 128, 128]: segment 0 from state0 [N, H, 128, 128], segment j >= 1 from row
-    j - 1 of the sequence's saved states (jax_kda.checkpoints' layout in saved_states
-    [capacity, H, 128, 128]), zeros for segments past the sequence's end."""
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * seqlen
-    offsets = checkpoint_offsets(cu_seqlens, save_states_every, batch * seqlen)
-    j = jnp.arange(1, segments, dtype=jnp.int32)
-    rows = offsets[:-1, None] + j[None] - 1  # [N, S - 1]
-    kept = j[None] <= (offsets[1:] - offsets[:-1])[:, None]
-    if saved_states.shape[0] == 0:  # no sequence is longer than one segment
-        later = jnp.zeros(rows.shape + state0.shape[1:], jnp.float32)
-    else:
-        later = saved_states.astype(jnp.float32)[jnp.clip(rows, 0, saved_states.shape[0] - 1)]
-        later = jnp.where(kept[..., None, None, None], later, 0.0)
-    starts = jnp.concatenate([state0[:, None], vary_like(later, state0)], axis=1)
-    return jnp.moveaxis(starts, 1, 2)
+    xs = (ChunkFactors(*map(_chunks_first, f)), _chunks_first(v))
+    _, states = lax.scan(step, state0, xs, unroll=unroll)
+    return _chunks_back(states)
 
 
 def reverse_state_gradients(f: ChunkFactors, d_out, d_final_state, unroll=1):
@@ -446,16 +374,14 @@ class Gradients(NamedTuple):
 
 
 def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
-                        d_final_state, *, scale=None, lower_bound=-5.0, unroll=1,
-                        saved_states=None, save_states_every=None) -> Gradients:
+                        d_final_state, *, scale=None, lower_bound=-5.0, unroll=1) -> Gradients:
     """kda_prefill_vjp with every gradient in f32 (before the rounding to the primals' dtypes)."""
     group = head_groups.group_size(q.shape[2], v.shape[2])
     if group > 1:  # grouped value heads: the gradient of the call on q, k repeated ...
         grads = kda_prefill_vjp_f32(
             *(head_groups.repeat_qk(x, group) for x in (q, k)), v, g, beta, A_log, dt_bias,
             initial_state, cu_seqlens, d_out, d_final_state, scale=scale,
-            lower_bound=lower_bound, unroll=unroll, saved_states=saved_states,
-            save_states_every=save_states_every)
+            lower_bound=lower_bound, unroll=unroll)
         # ... summed over each group of G value heads, a pairwise tree in a fixed order
         return grads._replace(dq=_sum_groups(grads.dq, group), dk=_sum_groups(grads.dk, group))
     B, T, H, D = q.shape
@@ -469,16 +395,6 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     if d_final_state is not None and d_final_state.shape != state_shape:
         raise ValueError(f"d_final_state must have the final state's shape {state_shape}, "
                          f"got {d_final_state.shape}")
-    if (saved_states is None) != (save_states_every is None):
-        raise ValueError("saved_states and save_states_every come together (both None or both "
-                         f"given), got save_states_every={save_states_every!r}")
-    if saved_states is not None:
-        rows = checkpoint_capacity(B, T, cu_seqlens is not None, save_states_every)
-        if tuple(saved_states.shape) != (rows, H, HEAD_DIM, HEAD_DIM):
-            raise ValueError(
-                f"saved_states must be the states after every {save_states_every} tokens in "
-                f"jax_kda.checkpoints' layout, shape {(rows, H, HEAD_DIM, HEAD_DIM)}, got "
-                f"{tuple(saved_states.shape)}")
     zero_state = vary_like(jnp.zeros(state_shape, jnp.float32), v)
     state0 = zero_state if initial_state is None else initial_state.astype(jnp.float32)
     dS_final = zero_state if d_final_state is None else d_final_state.astype(jnp.float32)
@@ -495,13 +411,7 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     f = chunk_factors(chunked(q), chunked(k), chunked(g), chunked(beta), A_log, dt_bias,
                       jnp.broadcast_to(layout.valid[:, None], vc.shape[:-1]),
                       scale=scale, lower_bound=lower_bound)
-    if saved_states is None:
-        states = forward_states(f, vc, state0, unroll)
-    else:
-        m = save_states_every // CHUNK
-        starts = segment_start_states(state0, saved_states, cu_seqlens, B, T, save_states_every,
-                                      -(-vc.shape[2] // m))
-        states = forward_states_from_segments(f, vc, starts, m, unroll)
+    states = forward_states(f, vc, state0, unroll)
     dS_after, du, dS0 = reverse_state_gradients(f, d_outc, dS_final, unroll)
     grads = chunk_gradients(f, vc, d_outc, states, dS_after, du, scale=scale)
 
@@ -527,8 +437,7 @@ def _sum_groups(x, group: int):
 
 
 def kda_prefill_vjp(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
-                    d_final_state, *, scale=None, lower_bound=-5.0, unroll=1, saved_states=None,
-                    save_states_every=None) -> Gradients:
+                    d_final_state, *, scale=None, lower_bound=-5.0, unroll=1) -> Gradients:
     """Gradients of the exact KDA prefill (the module docstring's algorithm).
 
     Args:
@@ -540,18 +449,13 @@ def kda_prefill_vjp(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
       d_out: cotangent of out [B, T, H, 128], or None (zero).
       d_final_state: cotangent of the final state [N, H, 128, 128], or None (zero).
       scale (default 128 ** -0.5), lower_bound: as kda_prefill. unroll: of both chunk scans.
-      saved_states, save_states_every: None, or the states after every save_states_every tokens
-        (a multiple of 16) of each sequence, jax_kda.checkpoints' layout [capacity, H, 128, 128]
-        (kda_prefill(..., numerics="fp32", checkpoint_every=n)'s third result, f32): step 2
-        then starts afresh at every segment (module docstring).
     Returns:
       Gradients(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state), each in its primal's
       dtype; dinitial_state is None without an initial state. Tokens covered by no sequence get 0.
     """
     grads = kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                                 d_out, d_final_state, scale=scale, lower_bound=lower_bound,
-                                unroll=unroll, saved_states=saved_states,
-                                save_states_every=save_states_every)
+                                unroll=unroll)
     return in_primal_dtypes(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state))
 
 

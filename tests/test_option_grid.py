@@ -23,7 +23,6 @@ GRID = {
     "sequence_parallel": ("auto", "off", 2),
     "pool": (False, True),
     "checkpoint_every": (None, 16),
-    "save_states_every": (None, 16),
 }
 
 

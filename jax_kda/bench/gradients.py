@@ -11,9 +11,7 @@ Gradients, each as a tuple in GRADIENT_NAMES' order:
 * `exact`: float64 autodiff of the token-by-token oracle (jax_kda.oracle_jax);
 * `backward`: jax_kda.reference_backward.kda_prefill_vjp's f32 values and its result (primals'
   dtypes);
-* `reference_autodiff`: jax.vjp through a numerics mode's reference (rounding straight-through);
-* `prefill_vjp`: jax.vjp of kda_prefill itself (backend "auto": the custom VJP, on the CPU around
-  the reference forward) in a numerics mode, with a save_states_every policy (primals' dtypes).
+* `reference_autodiff`: jax.vjp through a numerics mode's reference (rounding straight-through).
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import oracle_jax, reference, reference_backward, reference_fp32
-from ..api import kda_prefill
 from . import regimes
 
 D = 128
@@ -103,25 +100,6 @@ def reference_autodiff(mode: str, case: Case):
                 out, final = forward(*primals[:7], scale=SCALE, lower_bound=LOWER_BOUND,
                                      initial_state=primals[7], cu_seqlens=cu)
                 return out, final.astype(jnp.float32)
-
-            _, pullback = jax.vjp(prefill, *primals)
-            return pullback((d_out, d_final_state))
-
-        _JITTED[key] = jax.jit(run)
-    return tuple(_JITTED[key](case.primals, _cu(case), case.d_out, case.d_final_state))
-
-
-def prefill_vjp(mode: str, case: Case, save_states_every=None):
-    """jax.vjp of kda_prefill(numerics=mode, save_states_every=...) on the case's cotangents."""
-    key = ("prefill", mode, save_states_every, case.cu_seqlens is None)
-    if key not in _JITTED:
-
-        def run(primals, cu, d_out, d_final_state):
-            def prefill(*primals):
-                return kda_prefill(*primals[:7], scale=SCALE, lower_bound=LOWER_BOUND,
-                                   initial_state=primals[7], cu_seqlens=cu,
-                                   output_final_state=True, numerics=mode,
-                                   save_states_every=save_states_every)
 
             _, pullback = jax.vjp(prefill, *primals)
             return pullback((d_out, d_final_state))
