@@ -11,6 +11,10 @@ FlashKDA's. With grouped value heads the backward returns dq and dk on the Hk qu
 each is the sum of its G value heads' parts, in a fixed pairwise order (deterministic).
 docs/training.md says what is differentiated and how accurate it is.
 
+The residuals (the inputs, nothing else: the backward recomputes every state) carry the name
+INPUTS_NAME ("kda_prefill_inputs", jax.ad_checkpoint.checkpoint_name) for jax.checkpoint
+policies; docs/training.md, "Memory".
+
 Reverse mode only (jax.grad, jax.vjp, jax.value_and_grad); forward mode (jvp, jacfwd) is refused
 by JAX for a custom VJP. Not differentiable, with KdaInferenceOnlyError when something asks for a
 derivative: kda_decode, state pools (state_indices), checkpoint_every and explicit
@@ -22,9 +26,12 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from . import reference_backward
 from .problem import Problem
+
+INPUTS_NAME = "kda_prefill_inputs"  # the residuals: the call's inputs q, k, ... cu_seqlens
 
 
 class KdaInferenceOnlyError(NotImplementedError):
@@ -59,6 +66,10 @@ def _forward(run, layout, present, mesh, problem, *given):
     why = why_not_differentiable(problem)
     if why is not None:
         raise KdaInferenceOnlyError(f"jax_kda: no derivative: {why}.")
+    # Named so that a jax.checkpoint policy around a layer keeps (save_only_these_names) or
+    # drops (save_any_names_but_these) them; the forward reads the named values, so a backward
+    # that recomputes the outputs starts from the saved inputs where a policy keeps them.
+    given = tuple(checkpoint_name(x, INPUTS_NAME) for x in given)
     return run(layout, present, mesh, problem, *given), given
 
 

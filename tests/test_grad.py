@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import api, oracle, reference_backward
+from jax_kda import _vjp, api, oracle, reference_backward
 from jax_kda.bench import gradients
 
 B, T, H = 1, 20, 2
@@ -174,6 +174,33 @@ def test_kernel_backend_gradient_lowers_to_the_forward_kernels(monkeypatch):
         text = jax.jit(transform(f)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @jax_kda_prepare_v1(") == calls, transform
         assert text.count("custom_call @jax_kda_recurrence_v1(") == calls, transform
+
+
+def test_checkpoint_policies_keep_or_drop_the_named_inputs(monkeypatch):
+    """The custom VJP's residuals are the inputs, named "kda_prefill_inputs": under
+    jax.checkpoint a policy that saves the name keeps q (here sin of the layer's input, no
+    function of v) from the forward pass; one that drops it recomputes q (the sin) in the
+    backward. Traced for the kernel backend (no GPU needed)."""
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    x, _, _ = make_point(seed=3)
+    x = {n: jnp.asarray(a, jnp.bfloat16 if n in ("q", "k", "v", "g", "beta") else jnp.float32)
+         for n, a in x.items()}
+
+    def layer(v, q_source):
+        q = jnp.sin(q_source.astype(jnp.float32)).astype(jnp.bfloat16)
+        out, _ = jax_kda.kda_prefill(q, x["k"], v, x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                                     backend="kernel")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    policies = jax.checkpoint_policies
+    for policy, kept in ((policies.save_only_these_names(_vjp.INPUTS_NAME), True),
+                         (policies.save_any_names_but_these(_vjp.INPUTS_NAME), False),
+                         (policies.nothing_saveable, False)):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(jax.checkpoint(layer, policy=policy)))(
+            x["v"], x["q"]).jaxpr
+        (remat,) = [e for e in jaxpr.eqns if e.primitive.name in ("remat2", "checkpoint")]
+        recomputed = str(remat.params["jaxpr"])
+        assert (" sin " in recomputed) != kept, policy
 
 
 def test_vmap_of_grad():
