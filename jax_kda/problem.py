@@ -22,8 +22,25 @@ import numpy as np
 from .contract import HEAD_DIM
 
 
+class _HeadGroups:
+    """What both problem types derive from heads and qk_heads (grouped value heads)."""
+
+    def __post_init__(self):
+        # qk_heads None -> heads; otherwise a divisor of heads (the checks guarantee it)
+        if self.qk_heads is None:
+            object.__setattr__(self, "qk_heads", self.heads)
+        if self.qk_heads < 1 or self.heads % self.qk_heads:
+            raise ValueError(f"heads = {self.heads} must be a multiple of qk_heads = "
+                             f"{self.qk_heads}")
+
+    @property
+    def group(self) -> int:
+        """G = H // Hk, the value heads per query/key head (1: not grouped)."""
+        return self.heads // self.qk_heads
+
+
 @dataclasses.dataclass(frozen=True)
-class Problem:
+class Problem(_HeadGroups):
     """One kda_prefill call."""
 
     batch: int  # B
@@ -47,14 +64,6 @@ class Problem:
     plan_segments: bool = False
     qk_heads: int | None = None  # Hk; None: H (no grouping)
 
-    def __post_init__(self):
-        _fill_qk_heads(self)
-
-    @property
-    def group(self) -> int:
-        """G = H // Hk, the value heads per query/key head (1: not grouped)."""
-        return self.heads // self.qk_heads
-
     @property
     def plain(self) -> bool:
         """No state pool and no checkpoints."""
@@ -74,7 +83,7 @@ class Problem:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeProblem:
+class DecodeProblem(_HeadGroups):
     """One kda_decode call."""
 
     num_seqs: int  # N
@@ -91,14 +100,6 @@ class DecodeProblem:
     backend: str = "auto"
     qk_heads: int | None = None  # Hk; None: H (no grouping)
 
-    def __post_init__(self):
-        _fill_qk_heads(self)
-
-    @property
-    def group(self) -> int:
-        """G = H // Hk, the value heads per query/key head (1: not grouped)."""
-        return self.heads // self.qk_heads
-
     def result_shapes(self):
         """(out, new state or pool, intermediate states or None) as ShapeDtypeStructs."""
         per_token = (self.num_seqs, self.tokens, self.heads)
@@ -108,12 +109,3 @@ class DecodeProblem:
         return (jax.ShapeDtypeStruct(per_token + (HEAD_DIM,), jnp.bfloat16),
                 jax.ShapeDtypeStruct((self.pool_rows, self.heads, HEAD_DIM, HEAD_DIM),
                                      self.state_dtype), states)
-
-
-def _fill_qk_heads(problem) -> None:
-    """qk_heads None -> heads; otherwise a divisor of heads (the checks guarantee it)."""
-    if problem.qk_heads is None:
-        object.__setattr__(problem, "qk_heads", problem.heads)
-    if problem.qk_heads < 1 or problem.heads % problem.qk_heads:
-        raise ValueError(f"heads = {problem.heads} must be a multiple of qk_heads = "
-                         f"{problem.qk_heads}")

@@ -68,6 +68,19 @@ def make_inputs(rng, B: int, T: int, H: int, *, regime="mixed", law: str = "norm
             "A_log": jnp.asarray(a_log, jnp.float32), "dt_bias": jnp.asarray(dt, jnp.float32)}
 
 
+def grouped_inputs(rng, B: int, T: int, Hk: int, G: int, *, regime="keep32") -> dict:
+    """make_inputs with q and k on Hk heads and the rest on Hk * G (grouped value heads)."""
+    args = make_inputs(rng, B, T, Hk * G, regime=regime)
+    qk = make_inputs(rng, B, T, Hk, regime=regime)
+    args["q"], args["k"] = qk["q"], qk["k"]
+    return args
+
+
+def repeated_qk(args: dict, G: int) -> dict:
+    """The same arrays with q and k repeated to the value heads (head j = query/key head j // G)."""
+    return dict(args, q=jnp.repeat(args["q"], G, axis=2), k=jnp.repeat(args["k"], G, axis=2))
+
+
 def random_states(rng, rows: int, H: int, dtype=jnp.float32, scale: float = 0.1):
     """[rows, H, 128, 128] of N(0, scale^2) values in `dtype`. f32 values are not bf16 numbers, so
     a rounding of a state that must pass through unchanged shows."""

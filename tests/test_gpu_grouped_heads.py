@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kda_testing import assert_bits, make_inputs, random_states
+from kda_testing import assert_bits, grouped_inputs, random_states, repeated_qk
 
 import jax_kda
 from jax_kda import _ffi, contract
@@ -41,20 +41,8 @@ LAUNCHES = {"flashkda": ("auto", "baseline", *contract.COLUMN_SPLITS),
 REFERENCE_RMSE, REFERENCE_BIT_EQUAL = 2.5e-3, 0.5
 
 
-def grouped_inputs(rng, B, T, Hk, G, *, regime="keep32"):
-    """kda_prefill's arrays with q and k on Hk heads and the rest on Hk * G (fresh draws)."""
-    args = make_inputs(rng, B, T, Hk * G, regime=regime)
-    qk = make_inputs(rng, B, T, Hk, regime=regime)
-    args["q"], args["k"] = qk["q"], qk["k"]
-    return args
-
-
-def repeated(args, G):
-    return dict(args, q=jnp.repeat(args["q"], G, axis=2), k=jnp.repeat(args["k"], G, axis=2))
-
-
 def both(fn, args, G):
-    return fn(**args), fn(**repeated(args, G))
+    return fn(**args), fn(**repeated_qk(args, G))
 
 
 def launches():
@@ -104,7 +92,7 @@ def test_prepare_workspace_equals_repeated_qk(rng, numerics, inverse):
     fn = jax.jit(prepare)
     names = ("q", "k", "g", "beta", "A_log", "dt_bias")
     got = fn(*(x[a] for a in names))
-    rep = repeated(x, G)
+    rep = repeated_qk(x, G)
     want = fn(*(rep[a] for a in names))
     bounds = np.asarray(cu)
     used = np.concatenate([  # chunk c of sequence n: slot cu[n] // 16 + n + c
@@ -183,7 +171,7 @@ def test_vmap_folded_into_heads(rng):
 
     got = jax.jit(jax.vmap(call))(q, A_log)
     for i in range(n):
-        element = repeated(dict(args, q=q[i], A_log=A_log[i]), G)
+        element = repeated_qk(dict(args, q=q[i], A_log=A_log[i]), G)
         want = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend=BACKEND))(
             **element)
         assert_bits((got[0][i], got[1][i]), want, f"element {i}")

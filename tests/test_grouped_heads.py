@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kda_testing import assert_bits, make_inputs, random_states
+from kda_testing import assert_bits, grouped_inputs, random_states, repeated_qk
 
 import jax_kda
 from jax_kda import api, reference_backward
@@ -38,22 +38,9 @@ from jax_kda import api, reference_backward
 DATA = ("q", "k", "v", "g", "beta")
 
 
-def grouped_inputs(rng, B, T, Hk, G, *, regime="keep32"):
-    """kda_prefill's arrays with q and k on Hk heads and the rest on Hk * G (fresh draws)."""
-    args = make_inputs(rng, B, T, Hk * G, regime=regime)
-    qk = make_inputs(rng, B, T, Hk, regime=regime)
-    args["q"], args["k"] = qk["q"], qk["k"]
-    return args
-
-
-def repeated(args, G):
-    """The same arrays with q and k repeated to the value heads (head j = query/key head j // G)."""
-    return dict(args, q=jnp.repeat(args["q"], G, axis=2), k=jnp.repeat(args["k"], G, axis=2))
-
-
 def both(fn, args, G):
     """fn on the grouped arrays and on the repeated ones."""
-    return fn(**args), fn(**repeated(args, G))
+    return fn(**args), fn(**repeated_qk(args, G))
 
 
 # ------------------------------------------------------------------------------ 1. every path
@@ -151,7 +138,7 @@ def test_vmap_folds_into_heads_keeping_each_elements_groups(rng):
     for i in range(n):
         element = dict(args, q=stacked["q"][i], A_log=stacked["A_log"][i],
                        dt_bias=stacked["dt_bias"][i])
-        want = jax_kda.kda_prefill(**repeated(element, G), output_final_state=True,
+        want = jax_kda.kda_prefill(**repeated_qk(element, G), output_final_state=True,
                                    backend="reference")
         assert_bits((got[0][i], got[1][i]), want, f"element {i}")
 
@@ -169,7 +156,7 @@ def test_vmap_folds_into_the_batch(rng):
     got = jax.jit(jax.vmap(call))(*(stacked[a] for a in DATA))
     for i, element in enumerate(elements):
         element = dict(element, A_log=shared["A_log"], dt_bias=shared["dt_bias"])
-        want = jax_kda.kda_prefill(**repeated(element, G), output_final_state=True,
+        want = jax_kda.kda_prefill(**repeated_qk(element, G), output_final_state=True,
                                    backend="reference")
         assert_bits((got[0][i], got[1][i]), want, f"element {i}")
 
@@ -206,7 +193,7 @@ def test_gradients_sum_each_group_in_a_fixed_order(rng, G):
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))
     got = grad(*(args[a] for a in names))
     assert_bits(got, grad(*(args[a] for a in names)), "run to run")
-    rep = repeated(args, G)
+    rep = repeated_qk(args, G)
     want = grad(*(rep[a] for a in names))
     assert got[0].shape == args["q"].shape and got[1].shape == args["k"].shape
     assert_bits(got[2:], want[2:], "dv .. dinitial_state")
@@ -335,5 +322,5 @@ def test_export_runs_on_cpu(rng):
     fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True))
     exported = jax_kda.export.export(fn, platforms=("cuda", "cpu"))(**args)
     got = exported.call(**args)
-    want = jax_kda.kda_prefill(**repeated(args, G), output_final_state=True, backend="reference")
+    want = jax_kda.kda_prefill(**repeated_qk(args, G), output_final_state=True, backend="reference")
     assert_bits(got, want)
