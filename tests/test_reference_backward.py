@@ -116,3 +116,22 @@ def test_dtypes_and_no_initial_state():
               case.d_final_state)
     assert all(np.all(np.asarray(x) == 0) for x in got[:7])
     np.testing.assert_array_equal(np.asarray(got.dinitial_state), np.asarray(case.d_final_state))
+
+
+def _packed_vjp_temp_bytes(num_seqs, T=512, H=1):
+    """Scratch memory XLA plans for the packed backward of num_seqs equal sequences in T tokens."""
+    case = gradients.make_case(np.random.default_rng(16), T, H, "fla",
+                               cu_seqlens=np.linspace(0, T, num_seqs + 1).astype(np.int32))
+    run = jax.jit(lambda primals, cu, d_out, d_final: reference_backward.kda_prefill_vjp_f32(
+        *primals, cu, d_out, d_final, scale=gradients.SCALE, lower_bound=gradients.LOWER_BOUND))
+    compiled = run.lower(case.primals, jnp.asarray(case.cu_seqlens), case.d_out,
+                         case.d_final_state).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_packed_memory_does_not_grow_with_sequences_times_tokens():
+    """32 documents in 512 tokens take about what 2 do: the chunk slots grow as T / 16 + N (64
+    slots against 34), not as N ceil(T / 16) (1024 chunks against 64)."""
+    few, many = _packed_vjp_temp_bytes(2), _packed_vjp_temp_bytes(32)
+    print(f"temp bytes: N = 2 {few}, N = 32 {many} ({many / few:.2f} x)")
+    assert many <= 2.5 * few
