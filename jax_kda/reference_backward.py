@@ -35,7 +35,7 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
 2. Forward state recompute, serial over chunks (lax.scan; `unroll`):
      S_0 = initial state (zeros if none);
      P = kd S_c^T,  u = Diag(b) (v - P),  U = W u,  S_{c+1} = S_c Diag(gt) + U^T kr.
-   Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32).
+   Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32; packed [1, H, S, ...]).
 
 3. Reverse state-gradient chain, serial over chunks from the last (lax.scan reverse; `unroll`):
      dS_C = d_final_state;  per chunk, given dS_{c+1} (the gradient w.r.t. the state after it):
@@ -70,18 +70,33 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
 
 Reduction order (every run gives the same bits): sums that are not matrix products are pairwise
 trees (`tree_sum`: the axis zero-padded to a power of two n, then a[i] + a[i + n/2] until one is
-left); over tokens: the 16 rows of a chunk, then the chunks of a sequence, then the sequences;
-dA_log then over the 128 channels. The running sums (G, dgamma) are sequential over rows. Inside a
-matrix product (over V, K, 16 or 32 rows) the order is XLA's, fixed for a compiled program; a kernel
-fixes its own (k-blocks ascending).
+left); over tokens: the 16 rows of a chunk, then the chunks of a sequence, then the sequences
+(packed: the 16 rows of a slot, then the slots); dA_log then over the 128 channels. The running
+sums (G, dgamma) are sequential over rows. Inside a matrix product (over V, K, 16 or 32 rows) the
+order is XLA's, fixed for a compiled program; a kernel fixes its own (k-blocks ascending).
 
-Packed sequences: every sequence is padded to ceil(T / 16) chunks of its own, as in the forward
-(jax_kda.reference.chunked_prefill): tokens of no sequence and an empty sequence's tokens get exact
-zeros, and an empty sequence's chain is dS_c = dS_{c+1} 1 + 0, so its d_initial_state equals its
-d_final_state.
+Packed sequences (B = 1, cu_seqlens [N+1]) lie on the chunk slots of the kernels' workspace
+(jax_kda.contract.workspace_slots), as one row: S = ceil(T / 16) + N slots, chunk c of sequence n in
+slot cu[n] // 16 + n + c, so every sequence starts a fresh slot wherever its first token lies and
+sequences in order never share one. Rows past a sequence's end and the slots no chunk uses (spare)
+are zero tokens. cu is clamped into [0, T] and end < start is an empty sequence, as in the forward;
+an empty sequence has no slot. Per slot, computed on device from cu: its sequence and whether it
+is that sequence's first or last slot. Steps 1 and 4 run over the S slots as over chunks; the
+chains of 2 and 3 run over the S slots of the row and restart per sequence:
+     2: at a sequence's first slot the state is its initial state (S_in = initial_state[n]);
+     3: at a sequence's last slot the state gradient is its d_final_state[n], and the gradient
+        leaving its first slot is d_initial_state[n]; an empty sequence's is its d_final_state.
+A spare slot (gt = 1, U = 0, du = 0) passes on whatever reaches it, and the next restart drops it.
+Tokens of no sequence get exact zeros. Sequences that overlap (only a malformed cu, e.g. a
+sequence after an end < start pair) may share slots: a slot belongs to the highest-numbered
+sequence whose first slot is at or before it; their gradients are meaningless, every index stays
+in bounds.
+The sums over tokens take the slots in order (rows, then slots), which for more than one sequence
+is not the order of the batched layout: A_log's and dt_bias's gradients agree with the sequences'
+own in the last bits only (tests/test_reference_backward.py).
 
-Memory: S_c and dS_{c+1} per chunk, 128 KiB per (sequence, head, chunk) (a kernel would save S_c
-every few chunks and recompute the rest).
+Memory: S_c and dS_{c+1}, 128 KiB per head and chunk: B ceil(T / 16) chunks batched,
+ceil(T / 16) + N slots packed (a kernel would save S_c every few chunks and recompute the rest).
 """
 
 from __future__ import annotations
