@@ -77,8 +77,9 @@ def kda_prefill(
       max_segments: required with segment_ids: a static int >= 1 bounding the number of
         documents (B * T always holds them). It is the cost knob: the kernels' grids run over
         (document, head) and hold an initial and a final state (32 KiB per head each in bf16)
-        and a workspace slot per document; the reference backend and the backward handle
-        max_segments x ceil(B * T / 16) chunks. Pass the real bound. With initial_state or
+        and a workspace slot per document; the backward handles ceil(B * T / 16) +
+        max_segments chunks, the reference backend max_segments x ceil(B * T / 16). Pass the
+        real bound. With initial_state or
         output_final_state the states are [max_segments, H, 128, 128], row d for
         document d; rows past the last document are empty documents: their final state is the
         initial state as an empty packed sequence returns it (rounded to bf16 in the flashkda

@@ -35,7 +35,7 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
 2. Forward state recompute, serial over chunks (lax.scan; `unroll`):
      S_0 = initial state (zeros if none);
      P = kd S_c^T,  u = Diag(b) (v - P),  U = W u,  S_{c+1} = S_c Diag(gt) + U^T kr.
-   Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32).
+   Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32; packed [1, H, S, ...]).
 
 3. Reverse state-gradient chain, serial over chunks from the last (lax.scan reverse; `unroll`):
      dS_C = d_final_state;  per chunk, given dS_{c+1} (the gradient w.r.t. the state after it):
@@ -70,18 +70,33 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
 
 Reduction order (every run gives the same bits): sums that are not matrix products are pairwise
 trees (`tree_sum`: the axis zero-padded to a power of two n, then a[i] + a[i + n/2] until one is
-left); over tokens: the 16 rows of a chunk, then the chunks of a sequence, then the sequences;
-dA_log then over the 128 channels. The running sums (G, dgamma) are sequential over rows. Inside a
-matrix product (over V, K, 16 or 32 rows) the order is XLA's, fixed for a compiled program; a kernel
-fixes its own (k-blocks ascending).
+left); over tokens: the 16 rows of a chunk, then the chunks of a sequence, then the sequences
+(packed: the 16 rows of a slot, then the slots); dA_log then over the 128 channels. The running
+sums (G, dgamma) are sequential over rows. Inside a matrix product (over V, K, 16 or 32 rows) the
+order is XLA's, fixed for a compiled program; a kernel fixes its own (k-blocks ascending).
 
-Packed sequences: every sequence is padded to ceil(T / 16) chunks of its own, as in the forward
-(jax_kda.reference.chunked_prefill): tokens of no sequence and an empty sequence's tokens get exact
-zeros, and an empty sequence's chain is dS_c = dS_{c+1} 1 + 0, so its d_initial_state equals its
-d_final_state.
+Packed sequences (B = 1, cu_seqlens [N+1]) lie on the chunk slots of the kernels' workspace
+(jax_kda.contract.workspace_slots), as one row: S = ceil(T / 16) + N slots, chunk c of sequence n in
+slot cu[n] // 16 + n + c, so every sequence starts a fresh slot wherever its first token lies and
+sequences in order never share one. Rows past a sequence's end and the slots no chunk uses (spare)
+are zero tokens. cu is clamped into [0, T] and end < start is an empty sequence, as in the forward;
+an empty sequence has no slot. Per slot, computed on device from cu: its sequence and whether it
+is that sequence's first or last slot. Steps 1 and 4 run over the S slots as over chunks; the
+chains of 2 and 3 run over the S slots of the row and restart per sequence:
+     2: at a sequence's first slot the state is its initial state (S_in = initial_state[n]);
+     3: at a sequence's last slot the state gradient is its d_final_state[n], and the gradient
+        leaving its first slot is d_initial_state[n]; an empty sequence's is its d_final_state.
+A spare slot (gt = 1, U = 0, du = 0) passes on whatever reaches it, and the next restart drops it.
+Tokens of no sequence get exact zeros. Sequences that overlap (only a malformed cu, e.g. a
+sequence after an end < start pair) may share slots: a slot belongs to the highest-numbered
+sequence whose first slot is at or before it; their gradients are meaningless, every index stays
+in bounds.
+The sums over tokens take the slots in order (rows, then slots), which for more than one sequence
+is not the order of the batched layout: A_log's and dt_bias's gradients agree with the sequences'
+own in the last bits only (tests/test_reference_backward.py).
 
-Memory: S_c and dS_{c+1} per chunk, 128 KiB per (sequence, head, chunk) (a kernel would save S_c
-every few chunks and recompute the rest).
+Memory: S_c and dS_{c+1}, 128 KiB per head and chunk: B ceil(T / 16) chunks batched,
+ceil(T / 16) + N slots packed (a kernel would save S_c every few chunks and recompute the rest).
 """
 
 from __future__ import annotations
@@ -96,7 +111,7 @@ from jax import lax
 
 from . import head_groups
 from ._manual_axes import vary_like
-from .contract import CHUNK, HEAD_DIM
+from .contract import CHUNK, HEAD_DIM, workspace_slots
 
 _HIGHEST = lax.Precision.HIGHEST
 _LN2 = np.float32(math.log(2.0))
@@ -139,24 +154,51 @@ def _strict_lower():
 
 
 class _Layout(NamedTuple):
-    """Where the rows of the [N, C, 16] chunk grid come from: token [N, C, 16] int32 (packed) or
-    None (batched: row t of sequence n is token t of batch row n); valid [N, C, 16] bool."""
+    """Where the rows of the [N, C, 16] chunk grid come from (batched: N = B, C = ceil(T / 16);
+    packed: one row of S slots, N = 1, C = S): token [N, C, 16] int32 (packed) or None (batched:
+    row t of sequence n is token t of batch row n); valid [N, C, 16] bool; slots (packed only)."""
 
     token: jax.Array | None
     valid: jax.Array
+    slots: Slots | None
+
+
+class Slots(NamedTuple):
+    """Per chunk slot of the packed layout [S]: the sequence whose chunk it holds (0 where none:
+    an index only read under `first` / `last`), and whether it is that sequence's first / last."""
+
+    sequence: jax.Array
+    first: jax.Array
+    last: jax.Array
 
 
 def _layout(B, T, cu_seqlens) -> _Layout:
     num_chunks = -(-T // CHUNK)
     rows = jnp.arange(num_chunks * CHUNK, dtype=jnp.int32).reshape(num_chunks, CHUNK)
     if cu_seqlens is None:
-        return _Layout(None, jnp.broadcast_to(rows < T, (B, num_chunks, CHUNK)))
+        return _Layout(None, jnp.broadcast_to(rows < T, (B, num_chunks, CHUNK)), None)
     if B != 1:
         raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
+    N = cu_seqlens.shape[0] - 1
     cu = jnp.clip(cu_seqlens.astype(jnp.int32), 0, T)  # as the forward: clamped, end < start empty
     starts, lengths = cu[:-1], jnp.maximum(cu[1:] - cu[:-1], 0)
-    valid = rows[None] < lengths[:, None, None]
-    return _Layout(jnp.where(valid, starts[:, None, None] + rows[None], 0), valid)
+    # the workspace's slots (contract.workspace_slots): chunk c of sequence n in slot
+    # cu[n] // 16 + n + c, so sequences in order never share a slot
+    num_slots = workspace_slots(T, N)
+    first_slot = starts // CHUNK + jnp.arange(N, dtype=jnp.int32)
+    # each slot's sequence: the last non-empty one starting at or before it (a running max)
+    claimed = jnp.zeros(num_slots, jnp.int32).at[jnp.where(lengths > 0, first_slot, num_slots)].max(
+        jnp.arange(1, N + 1, dtype=jnp.int32), mode="drop")
+    owner = lax.cummax(claimed) - 1  # -1: before every sequence
+    sequence = jnp.maximum(owner, 0)
+    chunk = jnp.arange(num_slots, dtype=jnp.int32) - first_slot[sequence]
+    num_seq_chunks = -(-lengths[sequence] // CHUNK)
+    used = (owner >= 0) & (chunk < num_seq_chunks)
+    row = chunk[:, None] * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32)
+    valid = used[:, None] & (row < lengths[sequence][:, None])
+    token = jnp.where(valid, starts[sequence][:, None] + row, 0)
+    slots = Slots(sequence, used & (chunk == 0), used & (chunk == num_seq_chunks - 1))
+    return _Layout(token[None], valid[None], slots)
 
 
 def _to_chunks(x, layout: _Layout):
@@ -274,35 +316,64 @@ def _delta_update(f: ChunkFactors, v, state):
     return residual, _dot("...rc,...cv->...rv", f.W, f.b[..., None] * residual)
 
 
-def forward_states(f: ChunkFactors, v, state0, unroll=1):
-    """Step 2: the state at every chunk's start, [N, H, C, 128, 128]."""
+def _sequence_row(x, slots: Slots, index):
+    """Row slots.sequence[index] of a per-sequence [N, ...] array, as [1, ...]."""
+    return lax.dynamic_index_in_dim(x, slots.sequence[index], 0, keepdims=True)
+
+
+def forward_states(f: ChunkFactors, v, state0, unroll=1, slots: Slots | None = None):
+    """Step 2: the state at every chunk's start, [N, H, C, 128, 128]. With slots (the packed
+    layout, N = 1) state0 is per sequence [num_seqs, H, 128, 128] and a sequence's first slot
+    starts from its row; a slot of no sequence (zero tokens: gt = 1, U = 0) passes the state on."""
 
     def step(state, x):
-        fc, vc = x
+        fc, vc, index = x
+        if slots is not None:
+            state = jnp.where(slots.first[index], _sequence_row(state0, slots, index), state)
         _, U = _delta_update(fc, vc, state)
         return state * fc.gt[..., None, :] + _dot("...rv,...rk->...vk", U, fc.kr), state
 
-    xs = (ChunkFactors(*map(_chunks_first, f)), _chunks_first(v))
-    _, states = lax.scan(step, state0, xs, unroll=unroll)
+    num_chunks = v.shape[2]
+    xs = (ChunkFactors(*map(_chunks_first, f)), _chunks_first(v), jnp.arange(num_chunks))
+    init = state0 if slots is None else vary_like(jnp.zeros_like(state0[:1]), v)
+    _, states = lax.scan(step, init, xs, unroll=unroll)
     return _chunks_back(states)
 
 
-def reverse_state_gradients(f: ChunkFactors, d_out, d_final_state, unroll=1):
-    """Step 3 -> (dS after every chunk [N, H, C, 128, 128], du [N, H, C, 16, 128], dS_0)."""
+def reverse_state_gradients(f: ChunkFactors, d_out, d_final_state, unroll=1,
+                            slots: Slots | None = None):
+    """Step 3 -> (dS after every chunk [N, H, C, 128, 128], du [N, H, C, 16, 128], dS_0). With
+    slots (packed, N = 1) d_final_state is per sequence [num_seqs, H, 128, 128]: a sequence's
+    last slot starts from its row, and dS_0[n] is the gradient leaving sequence n's first slot
+    (an empty sequence has none: its d_final_state row)."""
     dU_out = _dot("...rc,...rv->...cv", f.mqk, d_out)  # Mqk^T dout, chunk-parallel
 
-    def step(dS, x):
-        kr, W, gt, b, qd, kd, dU_out, d_out = x
+    def step(carry, x):
+        dS, d_initial = carry
+        kr, W, gt, b, qd, kd, dU_out, d_out, index = x
+        if slots is not None:
+            dS = jnp.where(slots.last[index], _sequence_row(d_final_state, slots, index), dS)
         dU = dU_out + _dot("...rk,...vk->...rv", kr, dS)
         du = _dot("...cr,...cv->...rv", W, dU)  # W^T dU
         rows = jnp.concatenate([d_out, -(b[..., None] * du)], axis=-2)
         dS_start = dS * gt[..., None, :] + _dot(
             "...rv,...rk->...vk", rows, jnp.concatenate([qd, kd], axis=-2))
-        return dS_start, (dS, du)
+        if slots is not None:  # row sequence[index] rewritten with itself unless a first slot
+            keep = _sequence_row(d_initial, slots, index)
+            d_initial = lax.dynamic_update_index_in_dim(
+                d_initial, jnp.where(slots.first[index], dS_start, keep), slots.sequence[index], 0)
+        return (dS_start, d_initial), (dS, du)
 
+    num_chunks = d_out.shape[2]
     xs = tuple(map(_chunks_first, (f.kr, f.W, f.gt, f.b, f.qd, f.kd, dU_out, d_out)))
-    dS0, (dS_after, du) = lax.scan(step, d_final_state, xs, reverse=True, unroll=unroll)
-    return _chunks_back(dS_after), _chunks_back(du), dS0
+    if slots is None:
+        init = (d_final_state, None)
+    else:
+        init = (vary_like(jnp.zeros_like(d_final_state[:1]), d_out),
+                vary_like(d_final_state, d_out))
+    (dS0, d_initial), (dS_after, du) = lax.scan(
+        step, init, xs + (jnp.arange(num_chunks),), reverse=True, unroll=unroll)
+    return _chunks_back(dS_after), _chunks_back(du), dS0 if slots is None else d_initial
 
 
 # ----------------------------------------------------------------------------- 4. chunk-parallel
@@ -411,8 +482,8 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     f = chunk_factors(chunked(q), chunked(k), chunked(g), chunked(beta), A_log, dt_bias,
                       jnp.broadcast_to(layout.valid[:, None], vc.shape[:-1]),
                       scale=scale, lower_bound=lower_bound)
-    states = forward_states(f, vc, state0, unroll)
-    dS_after, du, dS0 = reverse_state_gradients(f, d_outc, dS_final, unroll)
+    states = forward_states(f, vc, state0, unroll, layout.slots)
+    dS_after, du, dS0 = reverse_state_gradients(f, d_outc, dS_final, unroll, layout.slots)
     grads = chunk_gradients(f, vc, d_outc, states, dS_after, du, scale=scale)
 
     valid = layout.valid[:, None, :, :, None]
