@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .contract import HEAD_DIM
+from .head_groups import group_size
 
 
 class _HeadGroups:
@@ -36,7 +37,7 @@ class _HeadGroups:
     @property
     def group(self) -> int:
         """G = H // Hk, the value heads per query/key head (1: not grouped)."""
-        return self.heads // self.qk_heads
+        return group_size(self.qk_heads, self.heads)
 
 
 @dataclasses.dataclass(frozen=True)
