@@ -176,7 +176,7 @@ def check_prefill(
     states_meaning = "[N, H, 128, 128] (N = number of sequences)"
     if segment_ids is not None:
         check_segment_ids(fn, segment_ids, (B, T))
-        N = B * T if max_segments is None else max_segments
+        N = max_segments  # required with segment_ids (jax_kda.options)
         check_document_count(fn, segment_ids, N)
         B, T, varlen = 1, B * T, True  # the packed call
         states_meaning = "[max_segments, H, 128, 128] (one state per document)"

@@ -16,9 +16,10 @@ document equal B*T: empty documents at the end), and the outputs are reshaped ba
 [B, T, ...]. Every backend, the custom VJP (jax.grad) and the vmap
 folding therefore see an ordinary packed call.
 
-max_segments (static) bounds the number of documents and fixes the shapes; B*T, the default,
-always holds them. If the ids hold more documents, the boundaries cover only the first
-max_segments (the last of those absorbs the rest); kda_prefill raises when the ids are concrete
+max_segments (static, required by kda_prefill) bounds the number of documents and fixes the
+shapes; B*T always holds them (and is cu_seqlens_from_segment_ids' default). If the ids hold
+more documents, the boundaries cover only the first max_segments (the last of those absorbs the
+rest); kda_prefill raises when the ids are concrete
 (an eager call with max_segments < B*T reads them on the host once to count, as it checks a
 concrete cu_seqlens) and under jit, where nothing is read on the host, returns NaN outputs and
 final states.
