@@ -37,6 +37,12 @@ struct DecodeArgs {
   cudaStream_t stream = nullptr;
 };
 
+// The backward pass's state chain (jax_kda/kernels/state_chain.py): f32 operands.
+struct StateChainArgs {
+  DenseTensor reset, init, gamma, a, b, y, states;
+  cudaStream_t stream = nullptr;
+};
+
 template <typename Args>
 struct KernelSpec {
   ModuleEntry module;
@@ -62,5 +68,7 @@ std::span<const KernelSpec<PrepareArgs>> PrepareFp32Specs();
 std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs();
 // ... and its state-pool recurrence: the operands of RecurrencePoolSpecs' kernels.
 std::span<const KernelSpec<RecurrencePoolArgs>> RecurrenceFp32PoolSpecs();
+// The backward pass's state chains, keyed by rows per chunk (16: forward, 32: reverse).
+std::span<const KernelSpec<StateChainArgs>> StateChainSpecs();
 
 }  // namespace jax_kda

@@ -35,6 +35,7 @@ _HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
     contract.PREPARE_FP32_TARGET: "JaxKdaPrepareFp32V1",
     contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
     contract.RECURRENCE_FP32_POOL_TARGET: "JaxKdaRecurrenceFp32PoolV1",
+    contract.STATE_CHAIN_TARGET: "JaxKdaStateChainV1",
 }
 _HANDLER_SYMBOLS = {
     target: {stage: name + stage.capitalize() for stage in ("instantiate", "initialize", "execute")}
@@ -162,6 +163,14 @@ def kernel_gpus() -> list:
     if not kernels_available():
         return []
     return [d for d in visible_gpus() if device_supported(d)]
+
+
+def kernels_usable_for_auto() -> bool:
+    """Whether backend="auto" lowers the kernels for the CUDA platform: the library is loaded,
+    and the visible GPUs include one it has kernels for (with an A100 alone "auto" runs the
+    reference there). With no GPU visible (lowering for CUDA on a CPU host, for export), the
+    kernels are kept for the CUDA platform."""
+    return kernels_available() and (not visible_gpus() or bool(kernel_gpus()))
 
 
 def _expect(name, x, dtype, shape) -> None:
@@ -360,6 +369,26 @@ def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale,
                 lower_bound=np.float32(lower_bound),
                 inverse=np.int32(contract.INVERSE_IDS[inverse]),
                 intermediate=np.int32(bool(intermediate_states)))
+
+
+def state_chain_call(reset, init, gamma, A, B, Y):
+    """The backward pass's state chain (docs/kernel_abi.md, jax_kda/kernels/state_chain.py):
+    reset int32 [N, C] (a row of init, or -1); init [Ni, H, 128, 128], gamma [N, H, C, 128],
+    A [N, H, C, 16, 128], B and Y [N, H, C, R, 128] (R = 16 or 32), f32. Returns the state
+    entering every chunk, f32 [N, H, C, 128, 128]."""
+    num_rows, heads, chunks = gamma.shape[:3]
+    rows = B.shape[-2]
+    if rows not in contract.STATE_CHAIN_ROWS:
+        raise ValueError(f"B: expected {contract.STATE_CHAIN_ROWS} rows per chunk, got {rows}")
+    _expect("reset", reset, jnp.int32, (num_rows, chunks))
+    _expect("init", init, jnp.float32, (init.shape[0], heads, HEAD_DIM, HEAD_DIM))
+    _expect("gamma", gamma, jnp.float32, (num_rows, heads, chunks, HEAD_DIM))
+    _expect("A", A, jnp.float32, (num_rows, heads, chunks, contract.CHUNK, HEAD_DIM))
+    for name, x in (("B", B), ("Y", Y)):
+        _expect(name, x, jnp.float32, (num_rows, heads, chunks, rows, HEAD_DIM))
+    result = jax.ShapeDtypeStruct((num_rows, heads, chunks, HEAD_DIM, HEAD_DIM), jnp.float32)
+    call = jax.ffi.ffi_call(contract.STATE_CHAIN_TARGET, result)
+    return call(reset, init, gamma, A, B, Y, rows=np.int32(rows))
 
 
 _ensure_registered()  # register at import; idempotent

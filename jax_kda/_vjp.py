@@ -28,7 +28,7 @@ import functools
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from . import reference_backward
+from . import _ffi, reference_backward
 from .problem import Problem
 
 INPUTS_NAME = "kda_prefill_inputs"  # the residuals: the call's inputs q, k, ... cu_seqlens
@@ -83,9 +83,17 @@ def _backward(run, layout, present, mesh, problem, given, cotangents):
     d_out, d_final_state, _ = cotangents
     grads = reference_backward.kda_prefill_vjp(
         q, k, v, g, beta, A_log, dt_bias, state, cu, d_out, d_final_state,
-        scale=problem.scale, lower_bound=problem.lower_bound)
+        scale=problem.scale, lower_bound=problem.lower_bound, chains=_chains(problem))
     by_position = dict(enumerate(grads))  # positions 0-7: q ... dt_bias, initial state
     return tuple(by_position.get(i) if i < 8 else None for i in present)
+
+
+def _chains(problem) -> str:
+    """Where the backward's serial chains run: the GPU chain kernel wherever the forward runs
+    the kernels (reference_backward.CHAINS)."""
+    if problem.backend == "kernel":
+        return "kernel"
+    return "auto" if _ffi.kernels_usable_for_auto() else "scan"
 
 
 with_gradients.defvjp(_forward, _backward)

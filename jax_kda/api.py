@@ -292,20 +292,13 @@ def _by_platform(kernel_fn, reference_fn, problem):
     reference_fn = functools.partial(reference_fn, problem=problem)
     if problem.backend == "kernel":
         return kernel_fn
-    if not _ffi.kernels_available() or not _kernels_fit_visible_gpus():
+    if not _ffi.kernels_usable_for_auto():
         return reference_fn
     return functools.partial(_platform_dependent, kernel_fn, reference_fn)
 
 
 def _platform_dependent(kernel_fn, reference_fn, *arrays):
     return lax.platform_dependent(*arrays, cuda=kernel_fn, default=reference_fn)
-
-
-def _kernels_fit_visible_gpus() -> bool:
-    """False when CUDA GPUs are visible but none has kernels built for it (e.g. an A100): "auto"
-    then runs the reference there. With no GPU visible (lowering for CUDA on a CPU host, for
-    export), the kernels are kept for the CUDA platform."""
-    return not _ffi.visible_gpus() or bool(_ffi.kernel_gpus())
 
 
 def _require_kernels() -> None:

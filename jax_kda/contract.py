@@ -75,7 +75,7 @@ STATE_DTYPE_IDS = {"bf16": 0, "f32": 1}  # state pools and checkpoints (chosen b
 MAX_DECODE_TOKENS = CHUNK  # the decode kernel runs one chunk: up to 16 tokens per sequence
 
 # ---- targets and architectures ------------------------------------------------------------------
-ABI_VERSION = 6  # bumped whenever docs/kernel_abi.md changes incompatibly
+ABI_VERSION = 7  # bumped whenever docs/kernel_abi.md changes incompatibly
 PREPARE_TARGET = "jax_kda_prepare_v1"
 RECURRENCE_TARGET = "jax_kda_recurrence_v1"
 # The recurrence on a state pool (state_indices, bf16 or f32 rows updated in place), with
@@ -87,8 +87,13 @@ PREPARE_FP32_TARGET = "jax_kda_prepare_fp32_v1"
 RECURRENCE_FP32_TARGET = "jax_kda_recurrence_fp32_v1"
 # ... and its recurrence on a state pool: RECURRENCE_POOL_TARGET's operands with fp32 records.
 RECURRENCE_FP32_POOL_TARGET = "jax_kda_recurrence_fp32_pool_v1"
+# The backward pass's serial chains: a chunked f32 state recurrence (jax_kda/kernels/state_chain.py)
+# with R = 16 (forward state recompute) or 32 (reverse state-gradient chain) rows per chunk.
+STATE_CHAIN_TARGET = "jax_kda_state_chain_v1"
+STATE_CHAIN_ROWS = (16, 32)
 CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET,
-                       PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, RECURRENCE_FP32_POOL_TARGET)
+                       PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, RECURRENCE_FP32_POOL_TARGET,
+                       STATE_CHAIN_TARGET)
 # CuTe DSL target -> (major, minor) compute capability it runs on. The "a" targets are not
 # forward compatible: sm_90a runs on 9.0 only, sm_100a on 10.0 only.
 ARCHS = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
@@ -115,6 +120,7 @@ def cpp_header() -> str:
     """The C++ header with the numbers the FFI handlers check and dispatch on."""
     sms = ", ".join(str(arch_sm(a)) for a in ARCHS)
     splits = ", ".join(str(b) for b in COLUMN_SPLITS)
+    chain_rows = ", ".join(str(r) for r in STATE_CHAIN_ROWS)
     lines = [
         "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); "
         "do not edit.",
@@ -136,6 +142,7 @@ def cpp_header() -> str:
         f"constexpr int32_t kStateBf16 = {STATE_DTYPE_IDS['bf16']};",
         f"constexpr int32_t kStateF32 = {STATE_DTYPE_IDS['f32']};",
         f"constexpr int64_t kMaxDecodeTokens = {MAX_DECODE_TOKENS};",
+        f"constexpr int32_t kStateChainRows[] = {{{chain_rows}}};",
         f"constexpr int kSupportedSms[] = {{{sms}}};  // 10 * major + minor",
         "",
         "}  // namespace jax_kda",

@@ -376,6 +376,84 @@ def reverse_state_gradients(f: ChunkFactors, d_out, d_final_state, unroll=1,
     return _chunks_back(dS_after), _chunks_back(du), dS0 if slots is None else d_initial
 
 
+# ---------------------------------------------- 2. and 3. on the GPU: jax_kda/kernels/state_chain
+
+
+def _flip_chunks(x):
+    return jnp.flip(x, axis=2)
+
+
+def _chain_resets(N, C, marks=None, sequence=None):
+    """reset [N, C] of the chain kernel: row 0 of init at each row's first chunk (batched: marks
+    None), or sequence[c]'s row where marks[c] (the packed row's slots, in the chain's order)."""
+    if marks is None:
+        return jnp.where(jnp.arange(C) == 0, 0, -1).astype(jnp.int32)[None].repeat(N, 0)
+    return jnp.where(marks, sequence, -1).astype(jnp.int32)[None]
+
+
+def _per_row_init(x, slots: Slots | None):
+    """Initial states [N, Ni, H, 128, 128] of the chain kernel: x [N, H, ...] one per batch row,
+    or x [num_seqs, H, ...] for the packed row."""
+    return x[:, None] if slots is None else x[None]
+
+
+def forward_states_on_kernel(f: ChunkFactors, v, state0, slots: Slots | None = None):
+    """Step 2 by the chain kernel (R = 16): U = (W Diag(b)) v - ((W Diag(b)) kd) S^T, so
+    A = W Diag(b) kd, Y = W Diag(b) v, B = kr, gamma = gt. forward_states' result, in f32 with
+    the products associated this way round."""
+    from ._state_chain import state_chain
+
+    Wb = f.W * f.b[..., None, :]
+    N, _, C = v.shape[:3]
+    reset = (_chain_resets(N, C) if slots is None
+             else _chain_resets(N, C, slots.first, slots.sequence))
+    return state_chain(reset, _per_row_init(state0, slots), f.gt,
+                       _dot("...rc,...ck->...rk", Wb, f.kd), f.kr,
+                       _dot("...rc,...cv->...rv", Wb, v))
+
+
+def reverse_state_gradients_on_kernel(f: ChunkFactors, d_out, d_final_state,
+                                      slots: Slots | None = None):
+    """Step 3 by the chain kernel (R = 32) over the chunks backwards: with Wt = Diag(b) W^T,
+    -Diag(b) du = -Wt Mqk^T dout - (Wt kr) dS^T, so A = Wt kr, Y = [-Wt Mqk^T dout; dout],
+    B = [kd; qd]. Then du (chunk-parallel, from dS after each chunk) and the gradient leaving
+    each sequence's first chunk (one more step there). reverse_state_gradients' results."""
+    from ._state_chain import state_chain
+
+    dU_out = _dot("...rc,...rv->...cv", f.mqk, d_out)  # Mqk^T dout
+    Wt = f.b[..., :, None] * jnp.swapaxes(f.W, -1, -2)
+    N, _, C = d_out.shape[:3]
+    reset = (_chain_resets(N, C) if slots is None  # the chain runs from the last chunk
+             else _chain_resets(N, C, jnp.flip(slots.last), jnp.flip(slots.sequence)))
+    operands = (f.gt, _dot("...rc,...ck->...rk", Wt, f.kr),
+                jnp.concatenate([f.kd, f.qd], axis=-2),
+                jnp.concatenate([-_dot("...rc,...cv->...rv", Wt, dU_out), d_out], axis=-2))
+    dS_after = _flip_chunks(state_chain(
+        reset, _per_row_init(d_final_state, slots), *map(_flip_chunks, operands)))
+    du = _dot("...cr,...cv->...rv", f.W, dU_out + _dot("...rk,...vk->...rv", f.kr, dS_after))
+    if slots is None:
+        return dS_after, du, _state_gradient_leaving(f, d_out, dS_after, du, 0)
+    num_seqs = d_final_state.shape[0]
+    num_slots = slots.first.shape[0]
+    # each sequence's first slot (num_slots for an empty sequence: it has none)
+    first_slot = jnp.full(num_seqs, num_slots, jnp.int32).at[
+        jnp.where(slots.first, slots.sequence, num_seqs)].set(
+        jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+    leaving = _state_gradient_leaving(f, d_out, dS_after, du,
+                                      jnp.minimum(first_slot, num_slots - 1))
+    has_slot = (first_slot < num_slots)[:, None, None, None]
+    return dS_after, du, jnp.where(has_slot, jnp.moveaxis(leaving[0], 1, 0), d_final_state)
+
+
+def _state_gradient_leaving(f: ChunkFactors, d_out, dS_after, du, chunk):
+    """dS_c = dS_{c+1} Diag(gt) + [dout; -Diag(b) du]^T [qd; kd] at chunk(s) `chunk` (step 3's
+    update, once): [N, H, 128, 128] for an int, [N, H, len(chunk), 128, 128] for an array."""
+    take = lambda x: jnp.take(x, chunk, axis=2)
+    rows = jnp.concatenate([take(d_out), -(take(f.b)[..., None] * take(du))], axis=-2)
+    return take(dS_after) * take(f.gt)[..., None, :] + _dot(
+        "...rv,...rk->...vk", rows, jnp.concatenate([take(f.qd), take(f.kd)], axis=-2))
+
+
 # ----------------------------------------------------------------------------- 4. chunk-parallel
 
 
@@ -444,15 +522,34 @@ class Gradients(NamedTuple):
     dinitial_state: jax.Array | None
 
 
+def _chains(chains: str, unroll: int):
+    """Steps 2 and 3 by `chains` (CHAINS): (states, dS after each chunk, du, dS_0)."""
+    def scan(f, v, d_out, state0, dS_final, slots):
+        states = forward_states(f, v, state0, unroll, slots)
+        return (states,) + reverse_state_gradients(f, d_out, dS_final, unroll, slots)
+
+    def kernel(f, v, d_out, state0, dS_final, slots):
+        states = forward_states_on_kernel(f, v, state0, slots)
+        return (states,) + reverse_state_gradients_on_kernel(f, d_out, dS_final, slots)
+
+    if chains == "auto":
+        return lambda *args: lax.platform_dependent(*args, cuda=kernel, default=scan)
+    return {"scan": scan, "kernel": kernel}[chains]
+
+
+CHAINS = ("scan", "kernel", "auto")  # XLA scans, the GPU chain kernel, the kernel on CUDA
+
+
 def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
-                        d_final_state, *, scale=None, lower_bound=-5.0, unroll=1) -> Gradients:
+                        d_final_state, *, scale=None, lower_bound=-5.0, unroll=1,
+                        chains="scan") -> Gradients:
     """kda_prefill_vjp with every gradient in f32 (before the rounding to the primals' dtypes)."""
     group = head_groups.group_size(q.shape[2], v.shape[2])
     if group > 1:  # grouped value heads: the gradient of the call on q, k repeated ...
         grads = kda_prefill_vjp_f32(
             *(head_groups.repeat_qk(x, group) for x in (q, k)), v, g, beta, A_log, dt_bias,
             initial_state, cu_seqlens, d_out, d_final_state, scale=scale,
-            lower_bound=lower_bound, unroll=unroll)
+            lower_bound=lower_bound, unroll=unroll, chains=chains)
         # ... summed over each group of G value heads, a pairwise tree in a fixed order
         return grads._replace(dq=_sum_groups(grads.dq, group), dk=_sum_groups(grads.dk, group))
     B, T, H, D = q.shape
@@ -482,8 +579,8 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     f = chunk_factors(chunked(q), chunked(k), chunked(g), chunked(beta), A_log, dt_bias,
                       jnp.broadcast_to(layout.valid[:, None], vc.shape[:-1]),
                       scale=scale, lower_bound=lower_bound)
-    states = forward_states(f, vc, state0, unroll, layout.slots)
-    dS_after, du, dS0 = reverse_state_gradients(f, d_outc, dS_final, unroll, layout.slots)
+    states, dS_after, du, dS0 = _chains(chains, unroll)(f, vc, d_outc, state0, dS_final,
+                                                        layout.slots)
     grads = chunk_gradients(f, vc, d_outc, states, dS_after, du, scale=scale)
 
     valid = layout.valid[:, None, :, :, None]
@@ -508,7 +605,8 @@ def _sum_groups(x, group: int):
 
 
 def kda_prefill_vjp(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
-                    d_final_state, *, scale=None, lower_bound=-5.0, unroll=1) -> Gradients:
+                    d_final_state, *, scale=None, lower_bound=-5.0, unroll=1,
+                    chains="scan") -> Gradients:
     """Gradients of the exact KDA prefill (the module docstring's algorithm).
 
     Args:
@@ -520,13 +618,16 @@ def kda_prefill_vjp(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
       d_out: cotangent of out [B, T, H, 128], or None (zero).
       d_final_state: cotangent of the final state [N, H, 128, 128], or None (zero).
       scale (default 128 ** -0.5), lower_bound: as kda_prefill. unroll: of both chunk scans.
+      chains: how steps 2 and 3 run (CHAINS): "scan" (XLA, any platform), "kernel" (the GPU
+        chain kernel, jax_kda/kernels/state_chain.py), "auto" (the kernel where lowered for
+        CUDA, else the scans).
     Returns:
       Gradients(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state), each in its primal's
       dtype; dinitial_state is None without an initial state. Tokens covered by no sequence get 0.
     """
     grads = kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                                 d_out, d_final_state, scale=scale, lower_bound=lower_bound,
-                                unroll=unroll)
+                                unroll=unroll, chains=chains)
     return in_primal_dtypes(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state))
 
 

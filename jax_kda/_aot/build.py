@@ -70,6 +70,8 @@ def _write_spec_lists(out_dir: pathlib.Path, built: list[specs.Spec]) -> None:
         elif s.call == "decode":
             lines.append(f"JAX_KDA_DECODE({s.prefix}, {s.variant_id}, {s.state_dtype_id}, "
                          f"{int(s.intermediate)}, {int(s.grouped)}, {s.sm})")
+        elif s.call == "state_chain":
+            lines.append(f"JAX_KDA_STATE_CHAIN({s.prefix}, {s.variant_id}, {s.sm})")
         elif s.call in ("prepare", "prepare_fp32"):
             macro = {"prepare": "JAX_KDA_PREPARE", "prepare_fp32": "JAX_KDA_PREPARE_FP32"}[s.call]
             lines.append(f"{macro}({s.prefix}, {s.variant_id}, {int(s.grouped)}, {s.sm})")

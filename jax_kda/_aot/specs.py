@@ -23,9 +23,10 @@ ARCHS_ENV = "JAX_KDA_ARCHS"  # e.g. "sm_90a" to build one architecture only (fas
 @dataclasses.dataclass(frozen=True)
 class Spec:
     # module in jax_kda/kernels: "prepare" | "recurrence" | "recurrence_baseline" | "decode" |
-    # "prepare_fp32" | "recurrence_fp32" (the fp32 numerics mode's prefill kernels)
+    # "prepare_fp32" | "recurrence_fp32" (the fp32 numerics mode's prefill kernels) |
+    # "state_chain" (the backward pass's serial chains)
     kernel: str
-    # inverse name (prepare, decode), block_v (recurrence), None (baseline)
+    # inverse name (prepare, decode), block_v (recurrence), rows (state_chain), None (baseline)
     variant: str | int | None
     arch: str  # a key of contract.ARCHS
     # "bf16" | "f32": a state-pool kernel (the serving recurrence, the decode kernel); None: the
@@ -39,7 +40,7 @@ class Spec:
     @property
     def call(self) -> str:
         """The custom call that launches it: "prepare", "recurrence", "recurrence_pool",
-        "decode", "prepare_fp32", "recurrence_fp32" or "recurrence_fp32_pool"
+        "decode", "prepare_fp32", "recurrence_fp32", "recurrence_fp32_pool" or "state_chain"
         (docs/kernel_abi.md)."""
         if self.kernel == "recurrence" and self.state_dtype is not None:
             return "recurrence_pool"
@@ -60,7 +61,8 @@ class Spec:
         return {"prepare": {"inverse": self.variant, "grouped": self.grouped},
                 "prepare_fp32": {"grouped": self.grouped},
                 "recurrence": {"block_v": self.variant},
-                "recurrence_fp32": {"block_v": self.variant}}.get(self.kernel, {})
+                "recurrence_fp32": {"block_v": self.variant},
+                "state_chain": {"rows": self.variant}}.get(self.kernel, {})
 
     @property
     def variant_id(self) -> int:
@@ -96,7 +98,7 @@ class Spec:
             states = "_states" if self.intermediate else ""
             return f"jax_kda_decode_{self.variant}_{self.state_dtype}{states}_{arch}"
         tags = {"prepare": f"_{self.variant}", "recurrence": f"_bv{self.variant}",
-                "recurrence_fp32": f"_bv{self.variant}"}
+                "recurrence_fp32": f"_bv{self.variant}", "state_chain": f"_r{self.variant}"}
         return f"jax_kda_{self.kernel}{tags.get(self.kernel, '')}_{arch}"
 
 
@@ -130,6 +132,7 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
         specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs += [Spec("recurrence_fp32", bv, arch, state_dtype=dt)
                   for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]
+        specs += [Spec("state_chain", rows, arch) for rows in contract.STATE_CHAIN_ROWS]
     return specs
 
 

@@ -72,17 +72,22 @@ def exact(case: Case, with_d_out=True, with_d_final_state=True):
 _JITTED = {}
 
 
-def backward(case: Case, with_d_out=True, with_d_final_state=True, unroll=1):
+def clear_cache() -> None:
+    """Forget the jitted programs (each is traced once per configuration)."""
+    _JITTED.clear()
+
+
+def backward(case: Case, with_d_out=True, with_d_final_state=True, unroll=1, chains="scan"):
     """kda_prefill_vjp's gradients as (f32 values, the same in the primals' dtypes): the second is
     what kda_prefill_vjp returns (reference_backward.in_primal_dtypes of the first)."""
-    key = ("backward", unroll, case.cu_seqlens is None, with_d_out, with_d_final_state)
+    key = ("backward", unroll, chains, case.cu_seqlens is None, with_d_out, with_d_final_state)
     if key not in _JITTED:
 
         def run(primals, cu, d_out, d_final_state):
             grads = reference_backward.kda_prefill_vjp_f32(
                 *primals, cu, d_out if with_d_out else None,
                 d_final_state if with_d_final_state else None,
-                scale=SCALE, lower_bound=LOWER_BOUND, unroll=unroll)
+                scale=SCALE, lower_bound=LOWER_BOUND, unroll=unroll, chains=chains)
             return tuple(grads), tuple(reference_backward.in_primal_dtypes(grads, primals))
 
         _JITTED[key] = jax.jit(run)

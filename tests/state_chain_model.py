@@ -1,0 +1,32 @@
+"""A plain-JAX model of the chain kernel (jax_kda/kernels/state_chain.py's docstring, written
+from it): the recurrence the kernel runs, in f32 at HIGHEST precision, as lax.scan. The CPU tests
+put it in the kernel's place to check the operands jax_kda.reference_backward builds for it; the
+GPU tests compare the kernel with it."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def state_chain_model(reset, init, gamma, A, B, Y):
+    """reset [N, C], init [N, Ni, H, 128, 128], gamma [N, H, C, 128], A [N, H, C, 16, 128],
+    B, Y [N, H, C, R, 128] -> the state entering every chunk [N, H, C, 128, 128]."""
+    num_init, rows = init.shape[1], B.shape[-2]
+
+    def one_row(reset, init, gamma, A, B, Y):
+        def step(X, xs):
+            r, g, a, b, y = xs
+            start = init[jnp.clip(r, 0, num_init - 1)]
+            X = jnp.where((r >= 0) & (r < num_init), start, X)
+            P = jnp.einsum("hrk,hvk->hrv", a, X, precision=HIGHEST)
+            Z = y - jnp.pad(P, ((0, 0), (0, rows - P.shape[1]), (0, 0)))
+            return X * g[:, None, :] + jnp.einsum("hrv,hrk->hvk", Z, b, precision=HIGHEST), X
+
+        chunks_first = lambda x: jnp.moveaxis(x, 1, 0)
+        X0 = jnp.zeros(init.shape[1:], jnp.float32)
+        _, states = lax.scan(step, X0, (reset,) + tuple(map(chunks_first, (gamma, A, B, Y))))
+        return jnp.moveaxis(states, 0, 1)
+
+    return jax.vmap(one_row)(reset, init, gamma, A, B, Y)
