@@ -213,7 +213,7 @@ def _partitioned(step, layout: Layout, problem, present, ranks, out_present):
             # not divisible (Hk, hence whole groups of value heads): every device runs every head
             head_axes, devices = None, 1
         batch_devices = _mesh_axes_size(mesh, batch_axes)
-        if problem.batch % batch_devices:
+        if batch_axes is not None and problem.batch % batch_devices:
             batch_axes, batch_devices = None, 1  # every device runs every row
         arg_shardings = tuple(
             NamedSharding(mesh, _spec(len(s.shape), layout.args[i], head_axes, batch_args[i],

@@ -11,6 +11,12 @@ FlashKDA's. With grouped value heads the backward returns dq and dk on the Hk qu
 each is the sum of its G value heads' parts, in a fixed pairwise order (deterministic).
 docs/training.md says what is differentiated and how accurate it is.
 
+The backward is partitioned as the forward is (jax_kda._partitioning: shard_map on Explicit mesh
+axes, custom_partitioning otherwise): each device differentiates its own heads and, for a batched
+call split on B, its own rows, with no collective; only the sums of dA_log and ddt_bias over the
+batch rows run after it (`partitioned_backward`). Under vmap custom_partitioning has no batching
+rule, so there the backward is plain JAX, partitioned by XLA.
+
 The residuals (the inputs, nothing else: the backward recomputes every state) carry the name
 INPUTS_NAME ("kda_prefill_inputs", jax.ad_checkpoint.checkpoint_name) for jax.checkpoint
 policies; docs/training.md, "Memory".

@@ -142,9 +142,12 @@ def kda_prefill(
     sequence_parallel counts raise KdaInferenceOnlyError; backend="reference" is plain JAX
     autodiff. Donating initial_state (jax.jit(..., donate_argnames="initial_state")) lets the
     final state reuse its buffer. Under jax.jit, inputs sharded over heads are partitioned over
-    heads: each device runs its local heads (jax_kda._partitioning); jax_kda.kda_prefill_sharded
-    does the same with an explicit mesh and exports (a head split keeps whole groups of value
-    heads with their query/key head on one device: the device count must divide Hk).
+    heads: each device runs its local heads (jax_kda._partitioning); batched inputs (no
+    cu_seqlens, segment_ids, state_indices or checkpoint_every) also sharded over B run each
+    device's local rows, forward and backward (a training step on a data x head mesh,
+    docs/training.md); jax_kda.kda_prefill_sharded does the same with an explicit mesh and
+    exports (a head split keeps whole groups of value heads with their query/key head on one
+    device: the device count must divide Hk).
     """
     problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
