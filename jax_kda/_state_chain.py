@@ -1,6 +1,7 @@
 """The backward pass's serial chains on the GPU: jax_kda/kernels/state_chain.py's custom call as
 a JAX function that vmaps (one launch: the vmapped axis folds into the rows) and partitions (each
-device runs its own rows and heads: chains are independent, so no collective).
+device runs its own rows and heads: chains are independent, so no collective; inside shard_map
+the arrays are one device's already and the kernel runs on them as they are).
 
 state_chain(reset, init, gamma, A, B, Y) -> states, with per-row initial states:
   reset int32 [N, C]: r >= 0 starts chunk c of row n from init[n, r] (r < Ni), -1 continues;
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _ffi
+from ._manual_axes import vary_like, varying_axes
 
 
 def _launch(reset, init, gamma, A, B, Y):
@@ -55,6 +57,8 @@ _partitioned.def_partition(_partition, sharding_rule=_RULE,
 
 @jax.custom_batching.custom_vmap
 def state_chain(reset, init, gamma, A, B, Y):
+    if varying_axes(gamma):  # inside shard_map: the arrays are one device's already
+        return vary_like(_launch(reset, init, gamma, A, B, Y), gamma)
     return _partitioned(reset, init, gamma, A, B, Y)
 
 

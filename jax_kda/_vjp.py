@@ -11,6 +11,12 @@ FlashKDA's. With grouped value heads the backward returns dq and dk on the Hk qu
 each is the sum of its G value heads' parts, in a fixed pairwise order (deterministic).
 docs/training.md says what is differentiated and how accurate it is.
 
+The backward is partitioned as the forward is (jax_kda._partitioning: shard_map on Explicit mesh
+axes, custom_partitioning otherwise): each device differentiates its own heads and, for a batched
+call split on B, its own rows, with no collective; only the sums of dA_log and ddt_bias over the
+batch rows run after it (`partitioned_backward`). Under vmap custom_partitioning has no batching
+rule, so there the backward is plain JAX, partitioned by XLA.
+
 The residuals (the inputs, nothing else: the backward recomputes every state) carry the name
 INPUTS_NAME ("kda_prefill_inputs", jax.ad_checkpoint.checkpoint_name) for jax.checkpoint
 policies; docs/training.md, "Memory".
@@ -28,7 +34,7 @@ import functools
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _ffi, reference_backward
+from . import _ffi, _partitioning, reference_backward
 from .problem import Problem
 
 INPUTS_NAME = "kda_prefill_inputs"  # the residuals: the call's inputs q, k, ... cu_seqlens
@@ -55,14 +61,14 @@ def why_not_differentiable(problem) -> str | None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def with_gradients(run, layout, present, mesh, problem, *given):
-    """run(layout, present, mesh, problem, *given): steps 2-4 of a kernel-backend call on the
+def with_gradients(run, layout, present, split, problem, *given):
+    """run(layout, present, split, problem, *given): steps 2-4 of a kernel-backend call on the
     present arrays (their positions in layout order), differentiable as the module docstring
     says."""
-    return run(layout, present, mesh, problem, *given)
+    return run(layout, present, split, problem, *given)
 
 
-def _forward(run, layout, present, mesh, problem, *given):
+def _forward(run, layout, present, split, problem, *given):
     why = why_not_differentiable(problem)
     if why is not None:
         raise KdaInferenceOnlyError(f"jax_kda: no derivative: {why}.")
@@ -70,20 +76,18 @@ def _forward(run, layout, present, mesh, problem, *given):
     # drops (save_any_names_but_these) them; the forward reads the named values, so a backward
     # that recomputes the outputs starts from the saved inputs where a policy keeps them.
     given = tuple(checkpoint_name(x, INPUTS_NAME) for x in given)
-    return run(layout, present, mesh, problem, *given), given
+    return run(layout, present, split, problem, *given), given
 
 
-def _backward(run, layout, present, mesh, problem, given, cotangents):
+def _backward(run, layout, present, split, problem, given, cotangents):
     # A cotangent computed from the output (a loss of it) would let XLA fold the forward into the
     # backward's products; on CPU (the reference forward) its simplifier then built a batched dot
     # with its batch axes in the wrong order, failing the HLO verifier (tests/test_grad.py).
     cotangents = jax.lax.optimization_barrier(cotangents)
     arrays = dict(zip(present, given))
-    q, k, v, g, beta, A_log, dt_bias, state, cu = (arrays.get(i) for i in range(9))
     d_out, d_final_state, _ = cotangents
-    grads = reference_backward.kda_prefill_vjp(
-        q, k, v, g, beta, A_log, dt_bias, state, cu, d_out, d_final_state,
-        scale=problem.scale, lower_bound=problem.lower_bound, chains=_chains(problem))
+    args = (*(arrays.get(i) for i in range(9)), d_out, d_final_state)  # _partitioning.BACKWARD
+    grads = partitioned_backward(args, problem, split)
     by_position = dict(enumerate(grads))  # positions 0-7: q ... dt_bias, initial state
     return tuple(by_position.get(i) if i < 8 else None for i in present)
 
@@ -97,3 +101,58 @@ def _chains(problem) -> str:
 
 
 with_gradients.defvjp(_forward, _backward)
+
+
+def partitioned_backward(args, problem, split):
+    """The gradients (q ... dt_bias, initial state or None) from the backward's arguments in
+    _partitioning.BACKWARD order, partitioned as the forward is: under shard_map with `split`, else
+    custom_partitioning. Each device computes the gradients of its heads and batch rows with no
+    collective; dA_log and ddt_bias come out of that as sums over each batch row
+    ([B, H, 128]), and their sum over the rows (reference_backward.head_parameter_gradients, the
+    order the unsharded backward uses) runs after it: where the batch is split over devices that
+    is where the rows' partial sums cross devices (a data-parallel gradient reduction of
+    B x H x 128 f32 values)."""
+    layout = _partitioning.BACKWARD
+    if split is not None:
+        results = _partitioning.shard_mapped_call(backward_step, layout, args, problem, split)
+    else:
+        out_present = tuple(i for i in range(8) if i < 7 or args[7] is not None)
+        results = _partitioned_without_vmap(args, problem, out_present)
+    dq, dk, dv, dg, dbeta, dA_log_rows, ddt_bias_rows, dstate = results
+    dA_log_rows, ddt_bias_rows = (_partitioning.gathered_batch(x, split, head_axis=1)
+                                  for x in (dA_log_rows, ddt_bias_rows))
+    dA_log, ddt_bias = reference_backward.head_parameter_gradients(dA_log_rows, ddt_bias_rows)
+    A_log, dt_bias = args[5], args[6]
+    return (dq, dk, dv, dg, dbeta, dA_log.astype(A_log.dtype), ddt_bias.astype(dt_bias.dtype),
+            dstate)
+
+
+def _partitioned_without_vmap(args, problem, out_present):
+    """custom_partitioning of backward_step; under vmap (custom_partitioning has no batching
+    rule) the vmapped backward_step itself, partitioned by XLA as plain JAX."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*xs):
+        return _partitioning.partitioned_call(backward_step, _partitioning.BACKWARD, xs, problem,
+                                              out_present)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, *xs):
+        in_axes = tuple(0 if batched else None for batched in in_batched)
+        results = jax.vmap(functools.partial(backward_step, problem=problem), in_axes=in_axes,
+                           axis_size=axis_size)(*xs)
+        return results, tuple(None if x is None else True for x in results)
+
+    return call(*args)
+
+
+def backward_step(q, k, v, g, beta, A_log, dt_bias, state, cu, d_out, d_final_state, *, problem):
+    """kda_prefill's gradients on one device's heads and rows (or all of them): dq ... dbeta and
+    the initial state's in their primals' dtypes, dA_log and ddt_bias as f32 sums over each batch
+    row, [B, H, 128]."""
+    grads = reference_backward.kda_prefill_vjp_f32(
+        q, k, v, g, beta, A_log, dt_bias, state, cu, d_out, d_final_state, scale=problem.scale,
+        lower_bound=problem.lower_bound, chains=_chains(problem), per_batch_row=True)
+    rounded = reference_backward.in_primal_dtypes(
+        grads._replace(dA_log=None, ddt_bias=None), (q, k, v, g, beta, None, None, state))
+    return (*rounded[:5], grads.dA_log, grads.ddt_bias, rounded[7])

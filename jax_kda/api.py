@@ -3,9 +3,10 @@
 Every call runs the same steps:
   1. check: shapes, dtypes and options (jax_kda._checks, jax_kda.options) -> a Problem
      (jax_kda.problem), the static description of the call;
-  2. partition over heads, so that each device runs its own (jax_kda._partitioning), and
+  2. partition over heads and (batched calls) batch rows, so that each device runs its own
+     (jax_kda._partitioning), and
   3. fold vmap: a vmapped axis becomes batch, sequences or heads of one call (jax_kda._batching),
-     in the order the mechanism needs: with the heads sharded on Explicit mesh axes, shard_map
+     in the order the mechanism needs: with heads or batch sharded on Explicit mesh axes, shard_map
      (which batches itself) around the folding; otherwise the folding around
      custom_partitioning (which has no batching rule);
   4. dispatch to a backend for the exact shapes: the GPU kernels (jax_kda._kernel_path, which
@@ -141,9 +142,12 @@ def kda_prefill(
     sequence_parallel counts raise KdaInferenceOnlyError; backend="reference" is plain JAX
     autodiff. Donating initial_state (jax.jit(..., donate_argnames="initial_state")) lets the
     final state reuse its buffer. Under jax.jit, inputs sharded over heads are partitioned over
-    heads: each device runs its local heads (jax_kda._partitioning); jax_kda.kda_prefill_sharded
-    does the same with an explicit mesh and exports (a head split keeps whole groups of value
-    heads with their query/key head on one device: the device count must divide Hk).
+    heads: each device runs its local heads (jax_kda._partitioning); batched inputs (no
+    cu_seqlens, segment_ids, state_indices or checkpoint_every) also sharded over B run each
+    device's local rows, forward and backward (a training step on a data x head mesh,
+    docs/training.md); jax_kda.kda_prefill_sharded does the same with an explicit mesh and
+    exports (a head split keeps whole groups of value heads with their query/key head on one
+    device: the device count must divide Hk).
     """
     problem = _checks.check_prefill(
         q, k, v, g, beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound,
@@ -155,7 +159,9 @@ def kda_prefill(
     tokens = (q, k, v, g, beta)
     cu = None if cu_seqlens is None else cu_seqlens.astype("int32")
     if segment_ids is not None:  # the documents as one packed call (jax_kda.segments)
-        tokens = tuple(segments.pack(x) for x in tokens)
+        # one packed row: the batch cannot stay split over devices (heads still can)
+        segment_ids = _partitioning.whole_batch(segment_ids)
+        tokens = tuple(segments.pack(_partitioning.whole_batch(x)) for x in tokens)
         cu, num_documents = segments.packed_boundaries(segment_ids, problem.num_seqs)
     arrays = (*tokens, A_log, dt_bias, initial_state, cu, state_indices, None)
     out, final_state, checkpoints = run_checked(arrays, problem)
@@ -219,36 +225,36 @@ def kda_decode(
     return out, new_state
 
 
-def run_checked(arrays, problem, mesh=None):
+def run_checked(arrays, problem, split=None):
     """Steps 2-4 on checked arrays, in layout order (jax_kda._partitioning.PREFILL / DECODE,
     None for absent ones), for a Problem (kda_prefill) or a DecodeProblem (kda_decode).
     Returns kda_prefill's (out, final state or pool, checkpoints or None), the final state in
     problem.state_dtype, or kda_decode's (out, new state or pool, intermediate states or None).
-    mesh: None (the heads' Explicit mesh axes in q's type, if any, else custom_partitioning) or
-    (mesh, mesh axes) to split the heads over with shard_map."""
-    if mesh is None:
-        mesh = _partitioning.explicit_head_mesh(arrays[0], head_axis=2)
+    split: None (the Explicit mesh axes in q's type that split its heads or batch, if any, else
+    custom_partitioning) or a jax_kda._partitioning.MeshSplit to run under shard_map."""
+    if split is None:
+        split = _partitioning.explicit_split(arrays[0], problem)
     layout = _partitioning.PREFILL if isinstance(problem, Problem) else _partitioning.DECODE
     if problem.backend == "reference":
-        if mesh is None:
+        if split is None:
             return reference_step(*arrays, problem=problem)
-        return _partitioning.shard_over_heads(reference_step, layout, arrays, problem, *mesh)
+        return _partitioning.shard_mapped_call(reference_step, layout, arrays, problem, split)
     if problem.backend == "kernel":
         _require_kernels()
-    present = tuple(i for i, a in enumerate(arrays) if a is not None)
-    return _vjp.with_gradients(_run_kernels, layout, present, mesh, problem,
+    present = _partitioning.present_positions(arrays)
+    return _vjp.with_gradients(_run_kernels, layout, present, split, problem,
                                *(arrays[i] for i in present))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), inline=True)
-def _run_kernels(layout, present, mesh, problem, *given):
+def _run_kernels(layout, present, split, problem, *given):
     """Steps 2-4 of the kernel backends, jitted (an eager call compiles once per configuration);
     jax_kda._vjp gives them their derivative."""
     arrays = [None] * len(layout.args)
     for i, a in zip(present, given):
         arrays[i] = a
-    if mesh is not None:
-        return _partitioning.shard_over_heads(folded_dispatch, layout, arrays, problem, *mesh)
+    if split is not None:
+        return _partitioning.shard_mapped_call(folded_dispatch, layout, arrays, problem, split)
     return _fold(partitioned_dispatch, problem)(*arrays)
 
 
@@ -260,14 +266,16 @@ def reference_step(*arrays, problem):
 
 
 def folded_dispatch(*arrays, problem):
-    """Steps 3-4: the vmap folding around the dispatch (on one device's heads under shard_map)."""
+    """Steps 3-4: the vmap folding around the dispatch (on one device's part under shard_map)."""
     return _fold(dispatch, problem)(*arrays)
 
 
 def partitioned_dispatch(*arrays, problem):
-    """Steps 2 and 4: each device's heads under custom_partitioning, then the dispatch."""
+    """Steps 2 and 4: each device's heads and rows under custom_partitioning, then the
+    dispatch."""
     layout = _partitioning.PREFILL if isinstance(problem, Problem) else _partitioning.DECODE
-    return _partitioning.over_heads(dispatch, layout, arrays, problem)
+    out_present = _partitioning.present_positions(problem.result_shapes())
+    return _partitioning.partitioned_call(dispatch, layout, arrays, problem, out_present)
 
 
 def _fold(step, problem):

@@ -504,9 +504,17 @@ def _sigmoid_derivative(x):
     return jax.nn.sigmoid(x) * jax.nn.sigmoid(-x)
 
 
-def _sum_tokens(x):
-    """[N, H, C, 16, ...] -> [H, ...]: over the rows of a chunk, the chunks, the sequences."""
-    return tree_sum(tree_sum(tree_sum(x, 3), 2), 0)
+def _sum_row_tokens(x):
+    """[N, H, C, 16, ...] -> [N, H, ...]: over the rows of a chunk, then the chunks (the tokens of
+    one batch row; packed, N = 1: every token)."""
+    return tree_sum(tree_sum(x, 3), 2)
+
+
+def head_parameter_gradients(dA_log_rows, ddt_bias_rows):
+    """(dA_log [H], ddt_bias [H, 128]) from their sums over each batch row's tokens ([B, H, 128]
+    each, kda_prefill_vjp_f32(per_batch_row=True)): over the rows, then dA_log over the 128
+    channels. Bitwise the gradients without per_batch_row, whichever devices held the rows."""
+    return tree_sum(tree_sum(dA_log_rows, 0), -1), tree_sum(ddt_bias_rows, 0)
 
 
 class Gradients(NamedTuple):
@@ -542,14 +550,18 @@ CHAINS = ("scan", "kernel", "auto")  # XLA scans, the GPU chain kernel, the kern
 
 def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, d_out,
                         d_final_state, *, scale=None, lower_bound=-5.0, unroll=1,
-                        chains="scan") -> Gradients:
-    """kda_prefill_vjp with every gradient in f32 (before the rounding to the primals' dtypes)."""
+                        chains="scan", per_batch_row=False) -> Gradients:
+    """kda_prefill_vjp with every gradient in f32 (before the rounding to the primals' dtypes).
+
+    per_batch_row: dA_log and ddt_bias as their sums over each batch row's tokens, [B, H, 128]
+    each (head_parameter_gradients finishes the sums): what a device holding some of the rows
+    computes, every other gradient being per row already."""
     group = head_groups.group_size(q.shape[2], v.shape[2])
     if group > 1:  # grouped value heads: the gradient of the call on q, k repeated ...
         grads = kda_prefill_vjp_f32(
             *(head_groups.repeat_qk(x, group) for x in (q, k)), v, g, beta, A_log, dt_bias,
             initial_state, cu_seqlens, d_out, d_final_state, scale=scale,
-            lower_bound=lower_bound, unroll=unroll, chains=chains)
+            lower_bound=lower_bound, unroll=unroll, chains=chains, per_batch_row=per_batch_row)
         # ... summed over each group of G value heads, a pairwise tree in a fixed order
         return grads._replace(dq=_sum_groups(grads.dq, group), dk=_sum_groups(grads.dk, group))
     B, T, H, D = q.shape
@@ -569,7 +581,9 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     A_log, dt_bias = A_log.astype(jnp.float32), dt_bias.astype(jnp.float32)
     if T == 0:
         zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-        return Gradients(*map(zeros, (q, k, v, g, beta, A_log, dt_bias)),
+        rows = jnp.zeros((B, H, HEAD_DIM), jnp.float32)
+        head_params = (rows, rows) if per_batch_row else (zeros(A_log), zeros(dt_bias))
+        return Gradients(*map(zeros, (q, k, v, g, beta)), *head_params,
                          None if initial_state is None else dS_final)
 
     layout = _layout(B, T, cu_seqlens)
@@ -589,11 +603,14 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     dg = dx * rate[:, None, None, None]
     dbeta = jnp.where(layout.valid[:, None], grads.db, 0.0) * _sigmoid_derivative(chunked(beta))
     unchunked = lambda x: _from_chunks(x, layout, T)
+    dA_log, ddt_bias = _sum_row_tokens(dx * f.x), _sum_row_tokens(dg)
+    if not per_batch_row:
+        dA_log, ddt_bias = head_parameter_gradients(dA_log, ddt_bias)
     return Gradients(
         dq=unchunked(_l2_normalize_vjp(f.qn, f.q_rho, grads.dqn)),
         dk=unchunked(_l2_normalize_vjp(f.kn, f.k_rho, grads.dkn)),
         dv=unchunked(grads.dv), dg=unchunked(dg), dbeta=unchunked(dbeta),
-        dA_log=tree_sum(_sum_tokens(dx * f.x), -1), ddt_bias=_sum_tokens(dg),
+        dA_log=dA_log, ddt_bias=ddt_bias,
         dinitial_state=None if initial_state is None else dS0)
 
 
