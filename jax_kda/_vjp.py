@@ -4,8 +4,10 @@ the call's steps 2-4 (jax_kda.api).
 Forward: the kernels (or, under "auto" off CUDA, the reference) exactly as without
 differentiation, bitwise the same results; the residuals are the call's inputs. Backward: the
 gradient of the exact KDA function (no rounding of either numerics mode is differentiated), in f32,
-by jax_kda.reference_backward's chunkwise algorithm run as XLA: it recomputes every chunk's state
-from the inputs, runs the reverse chain of the state gradient and the chunk-parallel gradients.
+by jax_kda.reference_backward's chunkwise algorithm: it recomputes every chunk's state from the
+inputs and runs the reverse chain of the state gradient, both on the GPU chain kernel
+(jax_kda/kernels/state_chain.py) wherever the forward runs the kernels, and the chunk-parallel
+gradients as XLA.
 Both numerics modes get this gradient; with numerics="flashkda" the forward stays bitwise
 FlashKDA's. With grouped value heads the backward returns dq and dk on the Hk query/key heads:
 each is the sum of its G value heads' parts, in a fixed pairwise order (deterministic).

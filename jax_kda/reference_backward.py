@@ -32,12 +32,14 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
    gates). This is the fp32 forward's factorisation (docs/fp32_mode.md, "Why row 7"). The anchor
    cancels in every product, so it is a constant under differentiation.
 
-2. Forward state recompute, serial over chunks (lax.scan; `unroll`):
+2. Forward state recompute, serial over chunks (lax.scan with `unroll`, or chains="kernel": the GPU
+   chain kernel, forward_states_on_kernel):
      S_0 = initial state (zeros if none);
      P = kd S_c^T,  u = Diag(b) (v - P),  U = W u,  S_{c+1} = S_c Diag(gt) + U^T kr.
    Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32; packed [1, H, S, ...]).
 
-3. Reverse state-gradient chain, serial over chunks from the last (lax.scan reverse; `unroll`):
+3. Reverse state-gradient chain, serial over chunks from the last (lax.scan reverse with `unroll`,
+   or the chain kernel, reverse_state_gradients_on_kernel):
      dS_C = d_final_state;  per chunk, given dS_{c+1} (the gradient w.r.t. the state after it):
      dU = Mqk^T dout + kr dS_{c+1}^T,   du = W^T dU,
      dS_c = dS_{c+1} Diag(gt) + [dout; -Diag(b) du]^T [qd; kd]   (one product over 32 rows).
@@ -136,13 +138,14 @@ def tree_sum(x, axis):
 
 def running_sum(x, reverse=False):
     """Running sum over the rows (axis -2) of [..., 16, 128], one row added at a time, from row 0
-    (row r holds rows 0..r) or, reversed, from row 15 (row r holds rows r..15)."""
-    def add(total, row):
-        total = total + row
-        return total, total
-
-    _, sums = lax.scan(add, jnp.zeros_like(x[..., 0, :]), jnp.moveaxis(x, -2, 0), reverse=reverse)
-    return jnp.moveaxis(sums, 0, -2)
+    (row r holds rows 0..r) or, reversed, from row 15 (row r holds rows r..15). Unrolled: one
+    fused elementwise kernel, where a 16-trip loop costs a launch per trip on a GPU."""
+    order = range(x.shape[-2] - 1, -1, -1) if reverse else range(x.shape[-2])
+    sums, total = {}, None
+    for r in order:
+        total = x[..., r, :] if total is None else total + x[..., r, :]
+        sums[r] = total
+    return jnp.stack([sums[r] for r in range(x.shape[-2])], axis=-2)
 
 
 def _strict_lower():
@@ -263,16 +266,17 @@ def _gate_scale(lower_bound):
 
 
 def forward_substitution(L):
-    """(I + L)^-1 for strictly lower-triangular L [..., 16, 16]: row r = e_r - L[r, :] W for
-    r = 0..15 in order (rows not yet made are 0, and L[r, c] = 0 for c >= r)."""
+    """(I + L)^-1 for strictly lower-triangular L [..., 16, 16] by forward substitution."""
 
-    def row(r, W):
-        L_r = lax.dynamic_index_in_dim(L, r, axis=-2, keepdims=False)
-        W_r = (jnp.arange(CHUNK) == r).astype(L.dtype) - _dot("...c,...cd->...d", L_r, W)
-        return lax.dynamic_update_index_in_dim(W, W_r, r, axis=-2)
-
-    # a rolled loop compiles in 1/10 the time
-    return lax.fori_loop(0, CHUNK, row, jnp.zeros_like(L))
+    # rows as vectors, unrolled: elementwise work XLA fuses (a 16-trip loop of products would
+    # cost a launch per trip on a GPU); W[r] = e_r - sum_{c < r} L[r, c] W[c], c ascending
+    rows = []
+    for r in range(CHUNK):
+        row = jnp.broadcast_to((np.arange(CHUNK) == r).astype(np.float32), L.shape[:-1])
+        for c in range(r):
+            row = row - L[..., r, c, None] * rows[c]
+        rows.append(row)
+    return jnp.stack(rows, axis=-2)
 
 
 def chunk_factors(q, k, g, beta, A_log, dt_bias, valid, *, scale, lower_bound) -> ChunkFactors:

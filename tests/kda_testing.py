@@ -17,6 +17,11 @@ test inputs, correlated keys); beta logits ~ N(0, 1).
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -141,3 +146,23 @@ def assert_bits(got, want, what: str = "") -> None:
 def assert_zero(x, what: str = "") -> None:
     x = np.asarray(jnp.asarray(x).astype(jnp.float32))
     assert (x == 0).all(), f"{what}: {int((x != 0).sum())} of {x.size} elements are not zero"
+
+
+def run_on_virtual_cpu_devices(test_file, flag, deselect, min_passed, devices=8, timeout=1800):
+    """Re-runs `test_file`'s CPU tests in a subprocess with `devices` virtual CPU devices (XLA's
+    device count is fixed when jax initialises) and the environment variable `flag` = "1" (the
+    tests that need the devices run only there); `deselect` is the -k expression that leaves the
+    calling test out. Asserts that at least `min_passed` passed and none was skipped."""
+    env = dict(os.environ, **{flag: "1"}, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                        + f" --xla_force_host_platform_device_count={devices}").strip()
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-m",
+         "not gpu", "-k", deselect],
+        env=env, capture_output=True, text=True, timeout=timeout, check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    report = run.stdout[-6000:] + run.stderr[-3000:]
+    assert run.returncode == 0, report
+    passed = re.search(r"(\d+) passed", run.stdout)
+    assert passed and int(passed.group(1)) >= min_passed, report
+    assert "skipped" not in run.stdout.splitlines()[-1], report

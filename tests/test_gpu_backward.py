@@ -42,10 +42,11 @@ def chain_operands(rng, N, Hh, C, rows, Ni):
 
 
 def resets(N, C, Ni):
-    """Row 0: starts from init 0, restarts at chunk 11 from init 1, an out-of-range index at 20
-    (ignored), init 0 again at the last chunk; row 1: starts nowhere (zeros) until chunk 5."""
+    """Row 0: starts from init 0, restarts at chunk C // 3 from init 1, an out-of-range index at
+    C // 2 (ignored), init 0 again at the last chunk; row 1: starts from zeros (no reset), init 1
+    at chunk 5."""
     reset = np.full((N, C), -1, np.int32)
-    reset[0, [0, 11, 20, C - 1]] = [0, 1, Ni, 0]
+    reset[0, [0, C // 3, C // 2, C - 1]] = [0, 1, Ni, 0]
     reset[1, 5] = 1
     return jnp.asarray(reset)
 
@@ -67,10 +68,12 @@ def test_chain_kernel_matches_its_model(rows, rng):
     assert error <= MODEL_BOUND
     init = np.asarray(init)
     np.testing.assert_array_equal(got[0, :, 0], init[0, 0])
-    np.testing.assert_array_equal(got[0, :, 11], init[0, 1])
+    np.testing.assert_array_equal(got[0, :, C // 3], init[0, 1])
+    np.testing.assert_array_equal(got[0, :, C - 1], init[0, 0])
     np.testing.assert_array_equal(got[1, :, 5], init[1, 1])
-    assert not np.any(got[1, :, :5])  # no reset yet: zeros, nothing read
-    assert np.any(got[0, :, 21] != init[0, 0])  # the out-of-range index read nothing
+    assert not np.any(got[1, :, 0]) and np.all(np.any(got[1, :, 1:5], axis=(-1, -2)))
+    # the out-of-range index read nothing: no row of init is entering chunk C // 2
+    assert all(np.any(got[0, :, C // 2] != init[0, i]) for i in range(Ni))
 
 
 def test_chain_kernel_vmap_is_one_launch(rng):

@@ -23,9 +23,9 @@ def test_compiles_without_local_memory(rows, arch, tmp_path):
     compiled = chain.compile_kernel(rows, arch, dump_dir=str(tmp_path))
     ptx = compiled.__ptx__
     assert ".local" not in ptx and "mma" not in ptx
-    # per chunk: 16 x 2 x 8 fmas for P and rows x 2 x 8 for the update, unrolled once
-    assert ptx.count("fma.rn.ftz.f32") == 16 * 2 * 8 + rows * 2 * 8
-    assert ptx.count("shfl.sync.bfly") == 4 * 2 * contract.CHUNK
+    # per chunk: 16 x 8 fmas for P and rows x 8 for the update, unrolled once
+    assert ptx.count("fma.rn.ftz.f32") == 16 * 8 + rows * 8
+    assert ptx.count("shfl.sync.bfly") == 4 * contract.CHUNK
     cuobjdump = cuda_tool("cuobjdump")
     if cuobjdump is None:
         pytest.skip("cuobjdump not available: PTX checked, cubin resource usage not checked")

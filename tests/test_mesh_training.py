@@ -23,8 +23,6 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 (KDA_MESH_SUBPROCESS=1).
 
 import os
 import re
-import subprocess
-import sys
 from functools import partial
 
 import jax
@@ -33,7 +31,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from kda_testing import assert_bits, make_inputs, random_states
+from kda_testing import assert_bits, make_inputs, random_states, run_on_virtual_cpu_devices
 
 import jax_kda
 from jax_kda import _vjp, api
@@ -55,20 +53,9 @@ MESHES = {  # (data, heads), axis type
 @pytest.mark.slow
 @pytest.mark.skipif(IN_SUBPROCESS, reason="this is the parent of the subprocess")
 def test_mesh_training_on_eight_virtual_cpu_devices():
-    env = dict(os.environ, KDA_MESH_SUBPROCESS="1", JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        f" --xla_force_host_platform_device_count={DEVICES}").strip()
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         "-k", "not test_mesh_training_on_eight_virtual_cpu_devices"],
-        env=env, capture_output=True, text=True, timeout=1800, check=False,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    report = run.stdout[-6000:] + run.stderr[-3000:]
-    assert run.returncode == 0, report
-    passed = re.search(r"(\d+) passed", run.stdout)
-    assert passed and int(passed.group(1)) >= 6, report
-    assert "skipped" not in run.stdout.splitlines()[-1], report
+    run_on_virtual_cpu_devices(__file__, "KDA_MESH_SUBPROCESS",
+                               "not test_mesh_training_on_eight_virtual_cpu_devices", 6,
+                               devices=DEVICES)
 
 
 # ---------------------------------------------------------------------------------- the model

@@ -8,8 +8,6 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 and KDA_SHARDING_SUBPROCESS=1
 
 import os
 import re
-import subprocess
-import sys
 from functools import partial
 
 import jax
@@ -18,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from kda_testing import assert_bits, make_inputs, random_states
+from kda_testing import assert_bits, make_inputs, random_states, run_on_virtual_cpu_devices
 
 import jax_kda
 from jax_kda import _launch, api
@@ -36,20 +34,9 @@ B, T, H = 2, 20, 16
 @pytest.mark.slow
 @pytest.mark.skipif(IN_SUBPROCESS, reason="this is the parent of the subprocess")
 def test_sharding_on_eight_virtual_cpu_devices():
-    env = dict(os.environ, KDA_SHARDING_SUBPROCESS="1", JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        f" --xla_force_host_platform_device_count={DEVICES}").strip()
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         "-k", "not test_sharding_on_eight_virtual_cpu_devices"],
-        env=env, capture_output=True, text=True, timeout=1200, check=False,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    report = run.stdout[-6000:] + run.stderr[-3000:]
-    assert run.returncode == 0, report
-    passed = re.search(r"(\d+) passed", run.stdout)
-    assert passed and int(passed.group(1)) >= 8, report
-    assert "skipped" not in run.stdout.splitlines()[-1], report
+    run_on_virtual_cpu_devices(__file__, "KDA_SHARDING_SUBPROCESS",
+                               "not test_sharding_on_eight_virtual_cpu_devices", 8,
+                               devices=DEVICES, timeout=1200)
 
 
 def make_args(b=B, t=T, h=H, seed=0, state_dtype=jnp.bfloat16, num_seqs=None):

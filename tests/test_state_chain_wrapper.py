@@ -5,8 +5,6 @@ nothing is gathered) on eight virtual devices in a subprocess, as tests/test_sha
 
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from kda_testing import run_on_virtual_cpu_devices
 from state_chain_model import state_chain_model
 
 from jax_kda import _ffi, _state_chain
@@ -70,16 +69,8 @@ def test_vmap_folds_into_one_launch(modelled_launch, monkeypatch):
 
 @pytest.mark.skipif(IN_SUBPROCESS, reason="this is the parent of the subprocess")
 def test_partitioning_on_eight_virtual_cpu_devices():
-    env = dict(os.environ, KDA_CHAIN_SUBPROCESS="1", JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
-                        + " --xla_force_host_platform_device_count=8").strip()
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k",
-         "rows_and_heads_stay_sharded"], env=env, capture_output=True, text=True, timeout=600,
-        check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    report = run.stdout[-4000:] + run.stderr[-2000:]
-    assert run.returncode == 0, report
-    assert re.search(r"\b1 passed", run.stdout), report
+    run_on_virtual_cpu_devices(__file__, "KDA_CHAIN_SUBPROCESS", "rows_and_heads_stay_sharded", 1,
+                               timeout=600)
 
 
 @pytest.mark.skipif(not IN_SUBPROCESS, reason="runs in the subprocess of the test above")

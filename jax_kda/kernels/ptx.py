@@ -675,21 +675,6 @@ def ld_shared_v4(smem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_shared_v2_f32(smem_addr, *, loc=None, ip=None):
-    """Two f32 from 8 bytes of shared memory (ordered against the other memory asm)."""
-    res = _asm(
-        llvm.StructType.get_literal([T.f32()] * 2),
-        [_i32(smem_addr, loc, ip)],
-        "ld.shared.v2.f32 {$0, $1}, [$2];",
-        "=f,=f,r,~{memory}",
-        loc,
-        ip,
-        side_effects=True,
-    )
-    return _unpack(res, T.f32(), 2, Float32)
-
-
-@dsl_user_op
 def ld_shared_v4_f32(smem_addr, *, loc=None, ip=None):
     """Four f32 from 16 bytes of shared memory (ordered against the other memory asm)."""
     res = _asm(

@@ -1,0 +1,90 @@
+"""Where the backward's time goes: each step of jax_kda.reference_backward timed alone on the GPU,
+beside the whole backward, in one process.
+
+    python benchmarks/backward_parts.py --heads 12 --seqlen 8192
+
+Parts (one sequence, strong-decay inputs as benchmarks/training_step.py, a cotangent of out and
+of the final state): "factors" (step 1, chunk_factors), "forward chain" / "reverse chain" (steps 2
+and 3 on the chain kernel, their operands included), "chunk gradients" (step 4), "whole" (
+kda_prefill_vjp with chains="kernel", steps 1-5 and the conversions). Each is a jitted chain of
+calls with feedback (jax_kda.bench.timing), medians of --repeats samples, microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from training_step import LOWER_BOUND, SCALE, make_inputs
+
+from jax_kda import reference_backward as rb
+from jax_kda.bench import timing
+
+
+def parts(x, d_out, d_final):
+    B, T, H, _ = x["q"].shape
+    layout = rb._layout(B, T, None)
+    chunked = lambda a: rb._to_chunks(a, layout)
+    valid = jnp.broadcast_to(layout.valid[:, None], (B, H) + layout.valid.shape[1:])
+
+    def factors(x):
+        return rb.chunk_factors(chunked(x["q"]), chunked(x["k"]), chunked(x["g"]),
+                                chunked(x["beta"]), x["A_log"], x["dt_bias"], valid,
+                                scale=SCALE, lower_bound=LOWER_BOUND)
+
+    def forward_chain(x):
+        return rb.forward_states_on_kernel(factors(x), chunked(x["v"]), x["state"])
+
+    def reverse_chain(x):
+        return rb.reverse_state_gradients_on_kernel(factors(x), chunked(d_out), d_final)
+
+    def chunk_gradients(x):
+        f, v, do = factors(x), chunked(x["v"]), chunked(d_out)
+        states = jnp.broadcast_to(x["state"][:, :, None], v.shape[:3] + (128, 128))
+        du = jnp.zeros_like(v)
+        return rb.chunk_gradients(f, v, do, states, states, du, scale=SCALE)
+
+    def whole(x):
+        return rb.kda_prefill_vjp(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
+                                  x["dt_bias"], x["state"], None, d_out, d_final, scale=SCALE,
+                                  lower_bound=LOWER_BOUND, chains="kernel")
+
+    return {"factors": factors, "forward chain": forward_chain, "reverse chain": reverse_chain,
+            "chunk gradients": chunk_gradients, "whole": whole}
+
+
+def _feedback(args, outs):
+    (x,) = args
+    leaf = jax.tree_util.tree_leaves(outs)[-1]
+    return (dict(x, A_log=x["A_log"] + 0.0 * leaf.reshape(-1)[0].astype(jnp.float32)),)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", default="12")
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rows = []
+    for H in (int(h) for h in args.heads.split(",")):
+        rng = np.random.default_rng(H)
+        x = make_inputs(rng, args.seqlen, H)
+        d_out = jnp.asarray(rng.standard_normal((1, args.seqlen, H, 128)), jnp.bfloat16)
+        d_final = jnp.asarray(rng.standard_normal((1, H, 128, 128)), jnp.float32)
+        for name, fn in parts(x, d_out, d_final).items():
+            t = timing.time_jax(fn, (x,), _feedback, repeats=args.repeats, warmup=1, inner=2,
+                                min_chain_ms=5.0)
+            rows.append({"heads": H, "seqlen": args.seqlen, "part": name, **t.summary()})
+            print(f"T={args.seqlen} H={H} {name}: {t.median_us:.1f} us", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": {"device": str(jax.devices()[0]), "jax": jax.__version__},
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
