@@ -24,9 +24,10 @@ Task = (8 value rows, head, row n), grid (16, H, N), 128 threads. Thread (warp w
 kq = l % 16, value row v0 + 2 w + l // 16, its eight keys above; it keeps those 8 state elements
 in registers. The key split makes every 16-byte shared load of a stage row conflict-free (the
 eight lanes of a phase read 128 contiguous bytes; both halves of a warp read the same addresses)
-and every state store a full 256-byte run per half-warp. Few elements per thread keep the
-serial work per chunk short (a chunk costs ~100 dependent-latency-bound instructions less per
-element); 16 rows per CTA with two per thread measured 1.4 ms per chain at T = 8192, 12 heads.
+and every state store a full 256-byte run per half-warp. One value row per thread halves the
+serial instructions per chunk against two (16 rows per CTA, the first version: 1,464 SASS
+instructions in the R = 32 kernel against 928); with the operand products around them the two
+chains took 3.9 -> 3.3 ms at T = 8192, 12 heads (BENCHMARKS.md, "Training").
 
 Shared memory: two stages (chunk c is read while chunk c + 1 is copied in with cp.async), each
 gamma [128] | A [16, 128] | B [R, 128] | Y [R, 8 columns of this CTA], f32: 17,408 bytes at
