@@ -70,6 +70,31 @@ def test_cuda_cpu_export_roundtrip_runs_the_cpu_part(cuda_path_lowerable):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_training_step_export_roundtrip(cuda_path_lowerable):
+    """A training step (value_and_grad of a loss of model) exports for CUDA and CPU: the CUDA path
+    holds the forward's calls and the backward's chain kernel (both row counts), and the restored
+    export's CPU path gives the jitted step's values and gradients, bitwise."""
+    pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+    args = make_args(seed=5)
+
+    def loss(*args):
+        out, state = model(*args)
+        return jnp.sum(out * out) + jnp.sum(state.astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    exported = jax_kda.export.export(step, platforms=("cuda", "cpu"))(*avals)
+    text = exported.mlir_module()
+    assert kda_targets(text) == ["jax_kda_prepare_v1", "jax_kda_recurrence_v1",
+                                 "jax_kda_state_chain_v1"]
+    assert "rows = 16" in text and "rows = 32" in text
+    got = jax_export.deserialize(exported.serialize()).call(*args)
+    want = step(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_plain_jax_export_accepts_the_public_list(cuda_path_lowerable):
     args = make_args(seed=2)
     exported = jax_export.export(jax.jit(model), platforms=("cuda",),
