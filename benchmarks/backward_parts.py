@@ -13,12 +13,11 @@ calls with feedback (jax_kda.bench.timing), medians of --repeats samples, micros
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from training_step import LOWER_BOUND, SCALE, make_inputs
+from training_step import LOWER_BOUND, SCALE, make_inputs, write_rows
 
 from jax_kda import reference_backward as rb
 from jax_kda.bench import timing
@@ -81,9 +80,7 @@ def main(argv=None):
             rows.append({"heads": H, "seqlen": args.seqlen, "part": name, **t.summary()})
             print(f"T={args.seqlen} H={H} {name}: {t.median_us:.1f} us", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": {"device": str(jax.devices()[0]), "jax": jax.__version__},
-                       "rows": rows}, f, indent=1)
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

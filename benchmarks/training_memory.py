@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from training_step import _feedback, jax_kda_loss, make_inputs
+from training_step import _feedback, jax_kda_loss, make_inputs, write_rows
 
 from jax_kda.bench import timing
 
@@ -51,9 +50,7 @@ def main(argv=None):
                   f"{row['argument_gib']:.2f} GiB, outputs {row['output_gib']:.2f} GiB, "
                   f"{t.median_us:.0f} us per step", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": {"device": str(jax.devices()[0]), "jax": jax.__version__},
-                       "rows": rows}, f, indent=1)
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,13 @@ LOWER_BOUND = -5.0
 SCALE = 128**-0.5
 
 
+def write_rows(path, rows) -> None:
+    """The measured rows as JSON, with the device, jax version and host they were taken on."""
+    meta = {"device": str(jax.devices()[0]), "jax": jax.__version__, "host": platform.node()}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def make_inputs(rng, T, H, N=1):
     bf = lambda *s, scale=1.0: jnp.asarray(scale * rng.standard_normal(s), jnp.bfloat16)
     return {
@@ -132,10 +139,7 @@ def main(argv=None):
         print(f"| {H} | " + " | ".join("-" if cells.get(v) is None else f"{cells[v]:.0f}"
                                       for v in sorted(cells)) + " |")
     if args.out:
-        meta = {"device": str(jax.devices()[0]), "jax": jax.__version__,
-                "host": platform.node()}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
