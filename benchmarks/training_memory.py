@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from training_step import _feedback, jax_kda_loss, make_inputs, write_rows
+from training_step import feedback, jax_kda_loss, make_inputs, write_rows
 
 from jax_kda.bench import timing
 
@@ -40,7 +40,7 @@ def main(argv=None):
                        jnp.asarray(rng.standard_normal((1, H, 128, 128)), jnp.float32))
             step = jax.value_and_grad(functools.partial(jax_kda_loss, "flashkda", weights, None))
             mem = jax.jit(step).lower(x).compile().memory_analysis()
-            t = timing.time_jax(step, (x,), _feedback, repeats=args.repeats, warmup=1, inner=2,
+            t = timing.time_jax(step, (x,), feedback, repeats=args.repeats, warmup=1, inner=2,
                                 min_chain_ms=20.0)
             row = {"seqlen": T, "heads": H, "temp_gib": mem.temp_size_in_bytes / GIB,
                    "argument_gib": mem.argument_size_in_bytes / GIB,

@@ -78,7 +78,7 @@ def jla_loss(kda, weights, x):
             + jnp.sum(jnp.swapaxes(state, -1, -2) * weights[1]))
 
 
-def _feedback(args, outs):
+def feedback(args, outs):
     """A_log of the next call depends on this call's results (0 * one element)."""
     (x,) = args
     leaf = jax.tree_util.tree_leaves(outs)[-1]
@@ -122,7 +122,7 @@ def main(argv=None):
             if args.only and name not in args.only.split(","):
                 continue
             try:
-                t = timing.time_jax(fn, (x,), _feedback, repeats=args.repeats, warmup=2,
+                t = timing.time_jax(fn, (x,), feedback, repeats=args.repeats, warmup=2,
                                     inner=4, min_chain_ms=5.0)
             except Exception as err:  # noqa: BLE001 - one failing variant does not stop the rest
                 print(f"T={args.seqlen} H={H} {name}: FAILED {type(err).__name__}: {err}")

@@ -111,7 +111,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import head_groups
+from . import _state_chain, head_groups
 from ._manual_axes import vary_like
 from .contract import CHUNK, HEAD_DIM, workspace_slots
 
@@ -357,11 +357,8 @@ def reverse_state_gradients(f: ChunkFactors, d_out, d_final_state, unroll=1,
         kr, W, gt, b, qd, kd, dU_out, d_out, index = x
         if slots is not None:
             dS = jnp.where(slots.last[index], _sequence_row(d_final_state, slots, index), dS)
-        dU = dU_out + _dot("...rk,...vk->...rv", kr, dS)
-        du = _dot("...cr,...cv->...rv", W, dU)  # W^T dU
-        rows = jnp.concatenate([d_out, -(b[..., None] * du)], axis=-2)
-        dS_start = dS * gt[..., None, :] + _dot(
-            "...rv,...rk->...vk", rows, jnp.concatenate([qd, kd], axis=-2))
+        du = _value_gradient(W, kr, dU_out, dS)
+        dS_start = _state_gradient_step(dS, gt, d_out, b, du, qd, kd)
         if slots is not None:  # row sequence[index] rewritten with itself unless a first slot
             keep = _sequence_row(d_initial, slots, index)
             d_initial = lax.dynamic_update_index_in_dim(
@@ -378,6 +375,18 @@ def reverse_state_gradients(f: ChunkFactors, d_out, d_final_state, unroll=1,
     (dS0, d_initial), (dS_after, du) = lax.scan(
         step, init, xs + (jnp.arange(num_chunks),), reverse=True, unroll=unroll)
     return _chunks_back(dS_after), _chunks_back(du), dS0 if slots is None else d_initial
+
+
+def _value_gradient(W, kr, dU_out, dS_after):
+    """du = W^T dU, dU = Mqk^T dout + kr dS_{c+1}^T (step 3; dU_out = Mqk^T dout)."""
+    return _dot("...cr,...cv->...rv", W, dU_out + _dot("...rk,...vk->...rv", kr, dS_after))
+
+
+def _state_gradient_step(dS_after, gt, d_out, b, du, qd, kd):
+    """dS_c = dS_{c+1} Diag(gt) + [dout; -Diag(b) du]^T [qd; kd] (step 3's update)."""
+    rows = jnp.concatenate([d_out, -(b[..., None] * du)], axis=-2)
+    return dS_after * gt[..., None, :] + _dot(
+        "...rv,...rk->...vk", rows, jnp.concatenate([qd, kd], axis=-2))
 
 
 # ---------------------------------------------- 2. and 3. on the GPU: jax_kda/kernels/state_chain
@@ -405,13 +414,11 @@ def forward_states_on_kernel(f: ChunkFactors, v, state0, slots: Slots | None = N
     """Step 2 by the chain kernel (R = 16): U = (W Diag(b)) v - ((W Diag(b)) kd) S^T, so
     A = W Diag(b) kd, Y = W Diag(b) v, B = kr, gamma = gt. forward_states' result, in f32 with
     the products associated this way round."""
-    from ._state_chain import state_chain
-
     Wb = f.W * f.b[..., None, :]
     N, _, C = v.shape[:3]
     reset = (_chain_resets(N, C) if slots is None
              else _chain_resets(N, C, slots.first, slots.sequence))
-    return state_chain(reset, _per_row_init(state0, slots), f.gt,
+    return _state_chain.state_chain(reset, _per_row_init(state0, slots), f.gt,
                        _dot("...rc,...ck->...rk", Wb, f.kd), f.kr,
                        _dot("...rc,...cv->...rv", Wb, v))
 
@@ -422,8 +429,6 @@ def reverse_state_gradients_on_kernel(f: ChunkFactors, d_out, d_final_state,
     -Diag(b) du = -Wt Mqk^T dout - (Wt kr) dS^T, so A = Wt kr, Y = [-Wt Mqk^T dout; dout],
     B = [kd; qd]. Then du (chunk-parallel, from dS after each chunk) and the gradient leaving
     each sequence's first chunk (one more step there). reverse_state_gradients' results."""
-    from ._state_chain import state_chain
-
     dU_out = _dot("...rc,...rv->...cv", f.mqk, d_out)  # Mqk^T dout
     Wt = f.b[..., :, None] * jnp.swapaxes(f.W, -1, -2)
     N, _, C = d_out.shape[:3]
@@ -432,9 +437,9 @@ def reverse_state_gradients_on_kernel(f: ChunkFactors, d_out, d_final_state,
     operands = (f.gt, _dot("...rc,...ck->...rk", Wt, f.kr),
                 jnp.concatenate([f.kd, f.qd], axis=-2),
                 jnp.concatenate([-_dot("...rc,...cv->...rv", Wt, dU_out), d_out], axis=-2))
-    dS_after = _flip_chunks(state_chain(
+    dS_after = _flip_chunks(_state_chain.state_chain(
         reset, _per_row_init(d_final_state, slots), *map(_flip_chunks, operands)))
-    du = _dot("...cr,...cv->...rv", f.W, dU_out + _dot("...rk,...vk->...rv", f.kr, dS_after))
+    du = _value_gradient(f.W, f.kr, dU_out, dS_after)
     if slots is None:
         return dS_after, du, _state_gradient_leaving(f, d_out, dS_after, du, 0)
     num_seqs = d_final_state.shape[0]
@@ -450,12 +455,10 @@ def reverse_state_gradients_on_kernel(f: ChunkFactors, d_out, d_final_state,
 
 
 def _state_gradient_leaving(f: ChunkFactors, d_out, dS_after, du, chunk):
-    """dS_c = dS_{c+1} Diag(gt) + [dout; -Diag(b) du]^T [qd; kd] at chunk(s) `chunk` (step 3's
-    update, once): [N, H, 128, 128] for an int, [N, H, len(chunk), 128, 128] for an array."""
+    """_state_gradient_step at chunk(s) `chunk`: [N, H, 128, 128] for an int,
+    [N, H, len(chunk), 128, 128] for an array."""
     take = lambda x: jnp.take(x, chunk, axis=2)
-    rows = jnp.concatenate([take(d_out), -(take(f.b)[..., None] * take(du))], axis=-2)
-    return take(dS_after) * take(f.gt)[..., None, :] + _dot(
-        "...rv,...rk->...vk", rows, jnp.concatenate([take(f.qd), take(f.kd)], axis=-2))
+    return _state_gradient_step(*map(take, (dS_after, f.gt, d_out, f.b, du, f.qd, f.kd)))
 
 
 # ----------------------------------------------------------------------------- 4. chunk-parallel
