@@ -16,7 +16,7 @@ Y = [-Diag(b) W^T Mqk^T dout; dout], B = [kd; qd]). jax_kda._backward_chains bui
 Arithmetic (f32, .rn.ftz, the order fixed, so results are bitwise run to run; there is one launch
 shape, so no launch choice changes them):
   * P[r, v]: each lane's fma chain over its eight keys (4 kq .. 4 kq + 3, then 64 + 4 kq ..
-    64 + 4 kq + 3), from zero; then a butterfly over the 16 lanes of the key quarter (xor 1, 2, 4,
+    64 + 4 kq + 3), from zero; then a butterfly over the 16 lanes that share the value row (xor 1, 2, 4,
     8). f32 addition is commutative, so every lane of the butterfly ends with the same bits.
   * X[v, k] = fma chain over r = 0 .. R - 1 of Z[r, v] B[r, k], started from X[v, k] * gamma[k].
 
@@ -63,7 +63,7 @@ def stage_layout(rows: int):
 
 
 def thread_keys(kq):
-    """The eight keys of key quarter kq, in the order of the fma chains."""
+    """The eight keys of key group kq (0 .. 15), in the order of the fma chains."""
     return [4 * kq + i for i in range(4)] + [64 + 4 * kq + i for i in range(4)]
 
 
@@ -190,7 +190,7 @@ def _chunk_step(rec, stage, x, p, kq, vg, R):
     """One chunk of the recurrence on the thread's 16 state elements (module docstring)."""
     key_off = kq * 16
     gamma = _row_segment(stage + key_off)
-    # P = A X^T: per lane over its keys, then over the key quarters
+    # P = A X^T: per lane over its keys, then over the 16 key groups
     for r in range(CHUNK):
         a = _row_segment(stage + rec.a_off + r * (D * 4) + key_off)
         acc = Float32(0.0)
