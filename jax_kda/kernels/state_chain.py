@@ -16,8 +16,9 @@ Y = [-Diag(b) W^T Mqk^T dout; dout], B = [kd; qd]). jax_kda._backward_chains bui
 Arithmetic (f32, .rn.ftz, the order fixed, so results are bitwise run to run; there is one launch
 shape, so no launch choice changes them):
   * P[r, v]: each lane's fma chain over its eight keys (4 kq .. 4 kq + 3, then 64 + 4 kq ..
-    64 + 4 kq + 3), from zero; then a butterfly over the 16 lanes that share the value row (xor 1, 2, 4,
-    8). f32 addition is commutative, so every lane of the butterfly ends with the same bits.
+    64 + 4 kq + 3), from zero; then a butterfly over the 16 lanes that share the value row
+    (xor 1, 2, 4, 8). f32 addition is commutative, so every lane of the butterfly ends with the
+    same bits.
   * X[v, k] = fma chain over r = 0 .. R - 1 of Z[r, v] B[r, k], started from X[v, k] * gamma[k].
 
 Task = (8 value rows, head, row n), grid (16, H, N), 128 threads. Thread (warp w, lane l):
