@@ -5,7 +5,8 @@ beside the whole backward, in one process.
 
 Parts (one sequence, strong-decay inputs as benchmarks/training_step.py, a cotangent of out and
 of the final state): "factors" (step 1, chunk_factors), "forward chain" / "reverse chain" (steps 2
-and 3 on the chain kernel, their operands included), "chunk gradients" (step 4), "whole" (
+and 3 on the chain kernel, their operands included), "forward chain kernel" / "reverse chain
+kernel" (the chain kernel alone on operands computed once), "chunk gradients" (step 4), "whole" (
 kda_prefill_vjp with chains="kernel", steps 1-5 and the conversions). Each is a jitted chain of
 calls with feedback (jax_kda.bench.timing), medians of --repeats samples, microseconds.
 """
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from training_step import LOWER_BOUND, SCALE, feedback, make_inputs, write_rows
 
+from jax_kda import _state_chain
 from jax_kda import reference_backward as rb
 from jax_kda.bench import timing
 
@@ -39,6 +42,23 @@ def parts(x, d_out, d_final):
     def reverse_chain(x):
         return rb.reverse_state_gradients_on_kernel(factors(x), chunked(d_out), d_final)
 
+    def kernel_alone(operands):
+        def chain(x):  # a dependence on x (0 * A_log) so that feedback orders the calls
+            gamma = operands[2] + 0.0 * x["A_log"][0]
+            return _state_chain.state_chain(*operands[:2], gamma, *operands[3:])
+        return chain
+
+    f = jax.jit(factors)(x)
+    N, _, C = f.gt.shape[:3]
+    forward_operands = jax.block_until_ready(
+        (rb._chain_resets(N, C), x["state"][:, None], f.gt,
+         rb._dot("...rc,...ck->...rk", f.W, f.kd), f.kr,
+         rb._dot("...rc,...cv->...rv", f.W, chunked(x["v"]))))
+    reverse_operands = jax.block_until_ready(
+        (rb._chain_resets(N, C, last=True), d_final[:, None], f.gt,
+         rb._dot("...rc,...ck->...rk", f.W, f.kr),
+         jnp.concatenate([f.kd, f.qd], axis=-2), jnp.concatenate([f.qd, f.kd], axis=-2)))
+
     def chunk_gradients(x):
         f, v, do = factors(x), chunked(x["v"]), chunked(d_out)
         states = jnp.broadcast_to(x["state"][:, :, None], v.shape[:3] + (128, 128))
@@ -51,6 +71,8 @@ def parts(x, d_out, d_final):
                                   lower_bound=LOWER_BOUND, chains="kernel")
 
     return {"factors": factors, "forward chain": forward_chain, "reverse chain": reverse_chain,
+            "forward chain kernel": kernel_alone(forward_operands),
+            "reverse chain kernel": kernel_alone(reverse_operands),
             "chunk gradients": chunk_gradients, "whole": whole}
 
 
@@ -59,6 +81,7 @@ def main(argv=None):
     p.add_argument("--heads", default="12")
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--only", default="", help="comma-separated part names (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rows = []
@@ -68,6 +91,8 @@ def main(argv=None):
         d_out = jnp.asarray(rng.standard_normal((1, args.seqlen, H, 128)), jnp.bfloat16)
         d_final = jnp.asarray(rng.standard_normal((1, H, 128, 128)), jnp.float32)
         for name, fn in parts(x, d_out, d_final).items():
+            if args.only and name not in args.only.split(","):
+                continue
             t = timing.time_jax(fn, (x,), feedback, repeats=args.repeats, warmup=1, inner=2,
                                 min_chain_ms=5.0)
             rows.append({"heads": H, "seqlen": args.seqlen, "part": name, **t.summary()})

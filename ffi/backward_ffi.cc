@@ -1,5 +1,5 @@
 // XLA FFI handler of the backward pass's serial chains (docs/kernel_abi.md):
-//   jax_kda_state_chain_v1   reset, init, gamma, A, B, Y -> states
+//   jax_kda_state_chain_v2   reset, init, gamma, A, B, Y -> states
 //                            (attribute rows: 16, the forward state recompute; 32, the reverse
 //                            state-gradient chain; every operand f32 except reset, int32)
 // Stages as in kda_ffi.cc: instantiate loads the specialisation on every device XLA already uses,
@@ -100,4 +100,4 @@ auto StateChainBinding() {
 }  // namespace
 }  // namespace jax_kda
 
-JAX_KDA_HANDLERS(JaxKdaStateChainV1, StateChain)
+JAX_KDA_HANDLERS(JaxKdaStateChainV2, StateChain)

@@ -35,7 +35,7 @@ _HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
     contract.PREPARE_FP32_TARGET: "JaxKdaPrepareFp32V1",
     contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
     contract.RECURRENCE_FP32_POOL_TARGET: "JaxKdaRecurrenceFp32PoolV1",
-    contract.STATE_CHAIN_TARGET: "JaxKdaStateChainV1",
+    contract.STATE_CHAIN_TARGET: "JaxKdaStateChainV2",
 }
 _HANDLER_SYMBOLS = {
     target: {stage: name + stage.capitalize() for stage in ("instantiate", "initialize", "execute")}

@@ -75,7 +75,7 @@ STATE_DTYPE_IDS = {"bf16": 0, "f32": 1}  # state pools and checkpoints (chosen b
 MAX_DECODE_TOKENS = CHUNK  # the decode kernel runs one chunk: up to 16 tokens per sequence
 
 # ---- targets and architectures ------------------------------------------------------------------
-ABI_VERSION = 7  # bumped whenever docs/kernel_abi.md changes incompatibly
+ABI_VERSION = 8  # bumped whenever docs/kernel_abi.md changes incompatibly
 PREPARE_TARGET = "jax_kda_prepare_v1"
 RECURRENCE_TARGET = "jax_kda_recurrence_v1"
 # The recurrence on a state pool (state_indices, bf16 or f32 rows updated in place), with
@@ -88,9 +88,11 @@ RECURRENCE_FP32_TARGET = "jax_kda_recurrence_fp32_v1"
 # ... and its recurrence on a state pool: RECURRENCE_POOL_TARGET's operands with fp32 records.
 RECURRENCE_FP32_POOL_TARGET = "jax_kda_recurrence_fp32_pool_v1"
 # The backward pass's serial chains: a chunked f32 state recurrence (jax_kda/kernels/state_chain.py)
-# with R = 16 (forward state recompute) or 32 (reverse state-gradient chain) rows per chunk.
-STATE_CHAIN_TARGET = "jax_kda_state_chain_v1"
+# with R = 16 (forward state recompute, chunks first to last) or 32 (reverse state-gradient chain,
+# chunks last to first) rows per chunk.
+STATE_CHAIN_TARGET = "jax_kda_state_chain_v2"
 STATE_CHAIN_ROWS = (16, 32)
+STATE_CHAIN_REVERSE_ROWS = 32  # the chain with this R runs its chunks from the last
 CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET,
                        PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, RECURRENCE_FP32_POOL_TARGET,
                        STATE_CHAIN_TARGET)

@@ -392,15 +392,13 @@ def _state_gradient_step(dS_after, gt, d_out, b, du, qd, kd):
 # ---------------------------------------------- 2. and 3. on the GPU: jax_kda/kernels/state_chain
 
 
-def _flip_chunks(x):
-    return jnp.flip(x, axis=2)
-
-
-def _chain_resets(N, C, marks=None, sequence=None):
+def _chain_resets(N, C, marks=None, sequence=None, *, last=False):
     """reset [N, C] of the chain kernel: row 0 of init at each row's first chunk (batched: marks
-    None), or sequence[c]'s row where marks[c] (the packed row's slots, in the chain's order)."""
+    None; its last chunk with last=True, where the reverse chain starts), or sequence[c]'s row
+    where marks[c] (the packed row's slots)."""
     if marks is None:
-        return jnp.where(jnp.arange(C) == 0, 0, -1).astype(jnp.int32)[None].repeat(N, 0)
+        start = C - 1 if last else 0
+        return jnp.where(jnp.arange(C) == start, 0, -1).astype(jnp.int32)[None].repeat(N, 0)
     return jnp.where(marks, sequence, -1).astype(jnp.int32)[None]
 
 
@@ -425,20 +423,20 @@ def forward_states_on_kernel(f: ChunkFactors, v, state0, slots: Slots | None = N
 
 def reverse_state_gradients_on_kernel(f: ChunkFactors, d_out, d_final_state,
                                       slots: Slots | None = None):
-    """Step 3 by the chain kernel (R = 32) over the chunks backwards: with Wt = Diag(b) W^T,
-    -Diag(b) du = -Wt Mqk^T dout - (Wt kr) dS^T, so A = Wt kr, Y = [-Wt Mqk^T dout; dout],
-    B = [kd; qd]. Then du (chunk-parallel, from dS after each chunk) and the gradient leaving
-    each sequence's first chunk (one more step there). reverse_state_gradients' results."""
+    """Step 3 by the chain kernel (R = 32, which runs over the chunks backwards): with
+    Wt = Diag(b) W^T, -Diag(b) du = -Wt Mqk^T dout - (Wt kr) dS^T, so A = Wt kr,
+    Y = [-Wt Mqk^T dout; dout], B = [kd; qd]. Then du (chunk-parallel, from dS after each chunk)
+    and the gradient leaving each sequence's first chunk (one more step there).
+    reverse_state_gradients' results."""
     dU_out = _dot("...rc,...rv->...cv", f.mqk, d_out)  # Mqk^T dout
     Wt = f.b[..., :, None] * jnp.swapaxes(f.W, -1, -2)
     N, _, C = d_out.shape[:3]
-    reset = (_chain_resets(N, C) if slots is None  # the chain runs from the last chunk
-             else _chain_resets(N, C, jnp.flip(slots.last), jnp.flip(slots.sequence)))
-    operands = (f.gt, _dot("...rc,...ck->...rk", Wt, f.kr),
-                jnp.concatenate([f.kd, f.qd], axis=-2),
-                jnp.concatenate([-_dot("...rc,...cv->...rv", Wt, dU_out), d_out], axis=-2))
-    dS_after = _flip_chunks(_state_chain.state_chain(
-        reset, _per_row_init(d_final_state, slots), *map(_flip_chunks, operands)))
+    reset = (_chain_resets(N, C, last=True) if slots is None
+             else _chain_resets(N, C, slots.last, slots.sequence))
+    dS_after = _state_chain.state_chain(
+        reset, _per_row_init(d_final_state, slots), f.gt, _dot("...rc,...ck->...rk", Wt, f.kr),
+        jnp.concatenate([f.kd, f.qd], axis=-2),
+        jnp.concatenate([-_dot("...rc,...cv->...rv", Wt, dU_out), d_out], axis=-2))
     du = _value_gradient(f.W, f.kr, dU_out, dS_after)
     if slots is None:
         return dS_after, du, _state_gradient_leaving(f, d_out, dS_after, du, 0)

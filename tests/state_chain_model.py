@@ -7,13 +7,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_kda import contract
+
 HIGHEST = lax.Precision.HIGHEST
 
 
 def state_chain_model(reset, init, gamma, A, B, Y):
     """reset [N, C], init [N, Ni, H, 128, 128], gamma [N, H, C, 128], A [N, H, C, 16, 128],
-    B, Y [N, H, C, R, 128] -> the state entering every chunk [N, H, C, 128, 128]."""
+    B, Y [N, H, C, R, 128] -> the state entering every chunk [N, H, C, 128, 128]; the chain with
+    R = contract.STATE_CHAIN_REVERSE_ROWS visits the chunks from the last."""
     num_init, rows = init.shape[1], B.shape[-2]
+    reverse = rows == contract.STATE_CHAIN_REVERSE_ROWS
 
     def one_row(reset, init, gamma, A, B, Y):
         def step(X, xs):
@@ -26,7 +30,8 @@ def state_chain_model(reset, init, gamma, A, B, Y):
 
         chunks_first = lambda x: jnp.moveaxis(x, 1, 0)
         X0 = jnp.zeros(init.shape[1:], jnp.float32)
-        _, states = lax.scan(step, X0, (reset,) + tuple(map(chunks_first, (gamma, A, B, Y))))
+        _, states = lax.scan(step, X0, (reset,) + tuple(map(chunks_first, (gamma, A, B, Y))),
+                             reverse=reverse)
         return jnp.moveaxis(states, 0, 1)
 
     return jax.vmap(one_row)(reset, init, gamma, A, B, Y)

@@ -22,7 +22,7 @@ from state_chain_model import state_chain_model
 from test_reference_backward import CU, NAMES, H, T, assert_matches_exact
 
 import jax_kda
-from jax_kda import _state_chain
+from jax_kda import _state_chain, contract
 from jax_kda.bench import gradients
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_gpus")]
@@ -42,9 +42,9 @@ def chain_operands(rng, N, Hh, C, rows, Ni):
 
 
 def resets(N, C, Ni):
-    """Row 0: starts from init 0, restarts at chunk C // 3 from init 1, an out-of-range index at
-    C // 2 (ignored), init 0 again at the last chunk; row 1: starts from zeros (no reset), init 1
-    at chunk 5."""
+    """Row 0: init 0 at the first and the last chunk, init 1 at chunk C // 3, an out-of-range index
+    at C // 2 (ignored); row 1: starts from zeros (no reset), init 1 at chunk 5. Whichever way the
+    chain runs."""
     reset = np.full((N, C), -1, np.int32)
     reset[0, [0, C // 3, C // 2, C - 1]] = [0, 1, Ni, 0]
     reset[1, 5] = 1
@@ -71,7 +71,12 @@ def test_chain_kernel_matches_its_model(rows, rng):
     np.testing.assert_array_equal(got[0, :, C // 3], init[0, 1])
     np.testing.assert_array_equal(got[0, :, C - 1], init[0, 0])
     np.testing.assert_array_equal(got[1, :, 5], init[1, 1])
-    assert not np.any(got[1, :, 0]) and np.all(np.any(got[1, :, 1:5], axis=(-1, -2)))
+    # row 1 enters the chain's first chunk with zeros, and the next four with a nonzero state
+    if rows == contract.STATE_CHAIN_REVERSE_ROWS:
+        first, following = C - 1, slice(C - 5, C - 1)
+    else:
+        first, following = 0, slice(1, 5)
+    assert not np.any(got[1, :, first]) and np.all(np.any(got[1, :, following], axis=(-1, -2)))
     # the out-of-range index read nothing: no row of init is entering chunk C // 2
     assert all(np.any(got[0, :, C // 2] != init[0, i]) for i in range(Ni))
 
@@ -83,7 +88,7 @@ def test_chain_kernel_vmap_is_one_launch(rng):
     reset = resets(N, C, Ni)
     run = jax.jit(jax.vmap(_state_chain.state_chain, in_axes=(None, 0, 0, 0, 0, 0)))
     text = run.lower(reset, *stacked).as_text()
-    assert text.count("custom_call @jax_kda_state_chain_v1(") == 1
+    assert text.count("custom_call @jax_kda_state_chain_v2(") == 1
     got = run(reset, *stacked)
     for i, xs in enumerate(parts):
         np.testing.assert_array_equal(np.asarray(got[i]),

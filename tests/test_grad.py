@@ -175,7 +175,7 @@ def test_kernel_backend_gradient_lowers_to_the_forward_kernels(monkeypatch):
         text = jax.jit(transform(f)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @jax_kda_prepare_v1(") == calls, transform
         assert text.count("custom_call @jax_kda_recurrence_v1(") == calls, transform
-        assert text.count("custom_call @jax_kda_state_chain_v1(") == 2, transform
+        assert text.count("custom_call @jax_kda_state_chain_v2(") == 2, transform
         assert "rows = 16" in text and "rows = 32" in text, transform
 
 

@@ -60,7 +60,7 @@ def test_vmap_folds_into_one_launch(modelled_launch, monkeypatch):
     got = jax.jit(vmapped)(*stacked)
     monkeypatch.undo()  # lowered with the real launch: one custom call, the 3 x 2 rows folded
     jax.clear_caches()
-    launches = re.findall(r"custom_call @jax_kda_state_chain_v1\(.*",
+    launches = re.findall(r"custom_call @jax_kda_state_chain_v2\(.*",
                           jax.jit(jax.vmap(_state_chain.state_chain)).lower(*stacked).as_text())
     assert len(launches) == 1 and "-> tensor<6x4x5x128x128xf32>" in launches[0], launches
     for i, xs in enumerate(parts):

@@ -520,6 +520,21 @@ def select_lt(idx, limit, a, b, *, loc=None, ip=None):
     )
 
 
+@dsl_user_op
+def select_lt_f32(idx, limit, a, b, *, loc=None, ip=None) -> Float32:
+    """idx < limit ? a : b for f32 values (signed compare, no branch, the bits as they are)."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [_i32(idx, loc, ip), _i32(limit, loc, ip), _f32(a, loc, ip), _f32(b, loc, ip)],
+            _pred_lt_block("$1, $2", "selp.f32 $0, $3, $4, p;"),
+            "=f,r,r,f,f",
+            loc,
+            ip,
+        )
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Matrix operations: tensor-core MMA, fragment transposes in registers, ldmatrix / stmatrix
 # ----------------------------------------------------------------------------------------------
