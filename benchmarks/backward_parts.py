@@ -4,10 +4,10 @@ beside the whole backward, in one process.
     python benchmarks/backward_parts.py --heads 12 --seqlen 8192
 
 Parts (one sequence, strong-decay inputs as benchmarks/training_step.py, a cotangent of out and
-of the final state): "factors" (step 1, chunk_factors), "forward chain" / "reverse chain" (steps 2
-and 3 on the chain kernel, their operands included), "forward chain kernel" / "reverse chain
-kernel" (the chain kernel alone on operands computed once), "chunk gradients" (step 4), "whole" (
-kda_prefill_vjp with chains="kernel", steps 1-5 and the conversions). Each is a jitted chain of
+of the final state): "factors" (step 1, chunk_factors), "chains" (steps 2 and 3 on the chain
+kernel, their operands included), "chain kernel" (the kernel alone, both chains, on operands
+computed once), "chunk gradients" (step 4), "whole" (kda_prefill_vjp with chains="kernel", steps
+1-5 and the conversions). Each is a jitted chain of
 calls with feedback (jax_kda.bench.timing), medians of --repeats samples, microseconds.
 """
 
@@ -22,6 +22,7 @@ from training_step import LOWER_BOUND, SCALE, feedback, make_inputs, write_rows
 
 from jax_kda import _state_chain
 from jax_kda import reference_backward as rb
+from jax_kda._ffi import ChainOperands
 from jax_kda.bench import timing
 
 
@@ -36,43 +37,33 @@ def parts(x, d_out, d_final):
                                 chunked(x["beta"]), x["A_log"], x["dt_bias"], valid,
                                 scale=SCALE, lower_bound=LOWER_BOUND)
 
-    def forward_chain(x):
-        return rb.forward_states_on_kernel(factors(x), chunked(x["v"]), x["state"])
-
-    def reverse_chain(x):
-        return rb.reverse_state_gradients_on_kernel(factors(x), chunked(d_out), d_final)
-
-    def kernel_alone(operands):
-        def chain(x):  # a dependence on x (0 * A_log) so that feedback orders the calls
-            gamma = operands[2] + 0.0 * x["A_log"][0]
-            return _state_chain.state_chain(*operands[:2], gamma, *operands[3:])
-        return chain
+    def chains(x):
+        return rb.chains_on_kernel(factors(x), chunked(x["v"]), chunked(d_out), x["state"],
+                                   d_final)
 
     f = jax.jit(factors)(x)
     N, _, C = f.gt.shape[:3]
-    forward_operands = jax.block_until_ready(
-        (rb._chain_resets(N, C), x["state"][:, None], f.gt,
-         rb._dot("...rc,...ck->...rk", f.W, f.kd), f.kr,
-         rb._dot("...rc,...cv->...rv", f.W, chunked(x["v"]))))
-    reverse_operands = jax.block_until_ready(
-        (rb._chain_resets(N, C, last=True), d_final[:, None], f.gt,
-         rb._dot("...rc,...ck->...rk", f.W, f.kr),
-         jnp.concatenate([f.kd, f.qd], axis=-2), jnp.concatenate([f.qd, f.kd], axis=-2)))
+    forward = ChainOperands(rb._chain_resets(N, C), x["state"][:, None], f.kd, f.kr,
+                            chunked(x["v"]))
+    reverse = ChainOperands(rb._chain_resets(N, C, last=True), d_final[:, None], f.kr,
+                            jnp.concatenate([f.kd, f.qd], axis=-2),
+                            jnp.concatenate([f.qd, f.kd], axis=-2))
+    forward, reverse = jax.block_until_ready((forward, reverse))
+
+    def chain_kernel(x):  # a dependence on x (0 * A_log) so that feedback orders the calls
+        return _state_chain.state_chains(f.gt + 0.0 * x["A_log"][0], forward, reverse)
 
     def chunk_gradients(x):
-        f, v, do = factors(x), chunked(x["v"]), chunked(d_out)
-        states = jnp.broadcast_to(x["state"][:, :, None], v.shape[:3] + (128, 128))
-        du = jnp.zeros_like(v)
-        return rb.chunk_gradients(f, v, do, states, states, du, scale=SCALE)
+        f, do = factors(x), chunked(d_out)
+        states = jnp.broadcast_to(x["state"][:, :, None], do.shape[:3] + (128, 128))
+        return rb.chunk_gradients(f, do, states, do, states, do, scale=SCALE)
 
     def whole(x):
         return rb.kda_prefill_vjp(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
                                   x["dt_bias"], x["state"], None, d_out, d_final, scale=SCALE,
                                   lower_bound=LOWER_BOUND, chains="kernel")
 
-    return {"factors": factors, "forward chain": forward_chain, "reverse chain": reverse_chain,
-            "forward chain kernel": kernel_alone(forward_operands),
-            "reverse chain kernel": kernel_alone(reverse_operands),
+    return {"factors": factors, "chains": chains, "chain kernel": chain_kernel,
             "chunk gradients": chunk_gradients, "whole": whole}
 
 

@@ -106,17 +106,26 @@ namespace {
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM) JAX_KDA_RECURRENCE(P, BLOCK_V, SM)
 #define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM) \
   JAX_KDA_RECURRENCE_POOL(P, BLOCK_V, STATE_DTYPE, SM)
-#define JAX_KDA_STATE_CHAIN(P, ROWS, SM)                                                \
+#define JAX_KDA_STATE_CHAIN(P, VARIANT, SM)                                             \
   std::string Launch_##P(const StateChainArgs& a) {                                     \
-    JAX_KDA_FILL(P, mReset, reset)                                                      \
-    JAX_KDA_FILL(P, mInit, init)                                                        \
+    JAX_KDA_FILL(P, mResetF, reset_f)                                                   \
+    JAX_KDA_FILL(P, mInitF, init_f)                                                     \
+    JAX_KDA_FILL(P, mResetR, reset_r)                                                   \
+    JAX_KDA_FILL(P, mInitR, init_r)                                                     \
     JAX_KDA_FILL(P, mGamma, gamma)                                                      \
-    JAX_KDA_FILL(P, mA, a)                                                              \
-    JAX_KDA_FILL(P, mB, b)                                                              \
-    JAX_KDA_FILL(P, mY, y)                                                              \
-    JAX_KDA_FILL(P, mStates, states)                                                    \
-    JAX_KDA_LAUNCH_RESULT(P, cute_dsl_##P##_wrapper(nullptr, &mReset, &mInit, &mGamma,  \
-                                                    &mA, &mB, &mY, &mStates, a.stream)) \
+    JAX_KDA_FILL(P, mAF, a_f)                                                           \
+    JAX_KDA_FILL(P, mBF, b_f)                                                           \
+    JAX_KDA_FILL(P, mYF, y_f)                                                           \
+    JAX_KDA_FILL(P, mAR, a_r)                                                           \
+    JAX_KDA_FILL(P, mBR, b_r)                                                           \
+    JAX_KDA_FILL(P, mYR, y_r)                                                           \
+    JAX_KDA_FILL(P, mStatesF, states_f)                                                 \
+    JAX_KDA_FILL(P, mZF, z_f)                                                           \
+    JAX_KDA_FILL(P, mStatesR, states_r)                                                 \
+    JAX_KDA_FILL(P, mZR, z_r)                                                           \
+    JAX_KDA_LAUNCH_RESULT(P, cute_dsl_##P##_wrapper(                                    \
+        nullptr, &mResetF, &mInitF, &mResetR, &mInitR, &mGamma, &mAF, &mBF, &mYF,      \
+        &mAR, &mBR, &mYR, &mStatesF, &mZF, &mStatesR, &mZR, a.stream))                  \
   }                                                                                     \
   LoadState P##_state;
 #include "kernels_specs.inc"
@@ -144,7 +153,7 @@ namespace {
 #define JAX_KDA_PREPARE_FP32(P, INVERSE, GROUPED, SM)
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM)
 #define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM)
-#define JAX_KDA_STATE_CHAIN(P, ROWS, SM)
+#define JAX_KDA_STATE_CHAIN(P, VARIANT, SM)
 
 #undef JAX_KDA_PREPARE
 #define JAX_KDA_PREPARE(P, INVERSE, GROUPED, SM) \
@@ -208,12 +217,12 @@ const KernelSpec<RecurrencePoolArgs> kRecurrenceFp32PoolSpecs[] = {
 #define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM)
 
 #undef JAX_KDA_STATE_CHAIN
-#define JAX_KDA_STATE_CHAIN(P, ROWS, SM) JAX_KDA_ENTRY(P, ROWS, SM)
+#define JAX_KDA_STATE_CHAIN(P, VARIANT, SM) JAX_KDA_ENTRY(P, VARIANT, SM)
 const KernelSpec<StateChainArgs> kStateChainSpecs[] = {
 #include "kernels_specs.inc"
     JAX_KDA_SENTINEL};
 #undef JAX_KDA_STATE_CHAIN
-#define JAX_KDA_STATE_CHAIN(P, ROWS, SM)
+#define JAX_KDA_STATE_CHAIN(P, VARIANT, SM)
 
 #undef JAX_KDA_PREPARE
 #undef JAX_KDA_RECURRENCE

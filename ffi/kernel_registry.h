@@ -37,9 +37,11 @@ struct DecodeArgs {
   cudaStream_t stream = nullptr;
 };
 
-// The backward pass's state chain (jax_kda/kernels/state_chain.py): f32 operands.
+// The backward pass's two state chains in one launch (jax_kda/kernels/state_chain.py): per chain
+// (f: forward, r: reverse) reset (int32), init, A, B, Y and results states, z; gamma shared; f32.
 struct StateChainArgs {
-  DenseTensor reset, init, gamma, a, b, y, states;
+  DenseTensor reset_f, init_f, reset_r, init_r, gamma, a_f, b_f, y_f, a_r, b_r, y_r;
+  DenseTensor states_f, z_f, states_r, z_r;
   cudaStream_t stream = nullptr;
 };
 
@@ -68,7 +70,7 @@ std::span<const KernelSpec<PrepareArgs>> PrepareFp32Specs();
 std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs();
 // ... and its state-pool recurrence: the operands of RecurrencePoolSpecs' kernels.
 std::span<const KernelSpec<RecurrencePoolArgs>> RecurrenceFp32PoolSpecs();
-// The backward pass's state chains, keyed by rows per chunk (16: forward, 32: reverse).
+// The backward pass's state chains (one specialisation per architecture, variant 0).
 std::span<const KernelSpec<StateChainArgs>> StateChainSpecs();
 
 }  // namespace jax_kda

@@ -14,6 +14,7 @@ import os
 import pathlib
 import sys
 import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ _HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
     contract.PREPARE_FP32_TARGET: "JaxKdaPrepareFp32V1",
     contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
     contract.RECURRENCE_FP32_POOL_TARGET: "JaxKdaRecurrenceFp32PoolV1",
-    contract.STATE_CHAIN_TARGET: "JaxKdaStateChainV2",
+    contract.STATE_CHAIN_TARGET: "JaxKdaStateChainsV1",
 }
 _HANDLER_SYMBOLS = {
     target: {stage: name + stage.capitalize() for stage in ("instantiate", "initialize", "execute")}
@@ -371,24 +372,40 @@ def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale,
                 intermediate=np.int32(bool(intermediate_states)))
 
 
-def state_chain_call(reset, init, gamma, A, B, Y):
-    """The backward pass's state chain (docs/kernel_abi.md, jax_kda/kernels/state_chain.py):
-    reset int32 [N, C] (a row of init, or -1); init [Ni, H, 128, 128], gamma [N, H, C, 128],
-    A [N, H, C, 16, 128], B and Y [N, H, C, R, 128] (R = 16 or 32), f32. Returns the state
-    entering every chunk, f32 [N, H, C, 128, 128]."""
+class ChainOperands(NamedTuple):
+    """One chain's operands of the state-chains call: reset int32 [N, C] (a row of init, or -1),
+    init [Ni, H, 128, 128], A [N, H, C, 16, 128], B and Y [N, H, C, R, 128], f32."""
+
+    reset: jax.Array
+    init: jax.Array
+    A: jax.Array
+    B: jax.Array
+    Y: jax.Array
+
+
+def state_chains_call(gamma, forward: ChainOperands, reverse: ChainOperands):
+    """The backward pass's two state chains in one launch (docs/kernel_abi.md,
+    jax_kda/kernels/state_chain.py): gamma f32 [N, H, C, 128] shared; the forward chain with
+    R = contract.FORWARD_CHAIN_ROWS, the reverse one with contract.REVERSE_CHAIN_ROWS. Returns
+    (states, z) of each chain: the state entering every chunk f32 [N, H, C, 128, 128] and Z's
+    first 16 rows f32 [N, H, C, 16, 128]."""
     num_rows, heads, chunks = gamma.shape[:3]
-    rows = B.shape[-2]
-    if rows not in contract.STATE_CHAIN_ROWS:
-        raise ValueError(f"B: expected {contract.STATE_CHAIN_ROWS} rows per chunk, got {rows}")
-    _expect("reset", reset, jnp.int32, (num_rows, chunks))
-    _expect("init", init, jnp.float32, (init.shape[0], heads, HEAD_DIM, HEAD_DIM))
     _expect("gamma", gamma, jnp.float32, (num_rows, heads, chunks, HEAD_DIM))
-    _expect("A", A, jnp.float32, (num_rows, heads, chunks, contract.CHUNK, HEAD_DIM))
-    for name, x in (("B", B), ("Y", Y)):
-        _expect(name, x, jnp.float32, (num_rows, heads, chunks, rows, HEAD_DIM))
-    result = jax.ShapeDtypeStruct((num_rows, heads, chunks, HEAD_DIM, HEAD_DIM), jnp.float32)
-    call = jax.ffi.ffi_call(contract.STATE_CHAIN_TARGET, result)
-    return call(reset, init, gamma, A, B, Y, rows=np.int32(rows))
+    for tag, ops, rows in (("f", forward, contract.FORWARD_CHAIN_ROWS),
+                           ("r", reverse, contract.REVERSE_CHAIN_ROWS)):
+        _expect(f"reset_{tag}", ops.reset, jnp.int32, (num_rows, chunks))
+        _expect(f"init_{tag}", ops.init, jnp.float32,
+                (ops.init.shape[0], heads, HEAD_DIM, HEAD_DIM))
+        _expect(f"A_{tag}", ops.A, jnp.float32, (num_rows, heads, chunks, contract.CHUNK, HEAD_DIM))
+        for name, x in (("B", ops.B), ("Y", ops.Y)):
+            _expect(f"{name}_{tag}", x, jnp.float32, (num_rows, heads, chunks, rows, HEAD_DIM))
+    states = jax.ShapeDtypeStruct((num_rows, heads, chunks, HEAD_DIM, HEAD_DIM), jnp.float32)
+    z = jax.ShapeDtypeStruct((num_rows, heads, chunks, contract.CHUNK, HEAD_DIM), jnp.float32)
+    call = jax.ffi.ffi_call(contract.STATE_CHAIN_TARGET, (states, z, states, z))
+    states_f, z_f, states_r, z_r = call(
+        forward.reset, forward.init, reverse.reset, reverse.init, gamma, forward.A, forward.B,
+        forward.Y, reverse.A, reverse.B, reverse.Y)
+    return (states_f, z_f), (states_r, z_r)
 
 
 _ensure_registered()  # register at import; idempotent

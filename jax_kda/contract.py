@@ -87,12 +87,12 @@ PREPARE_FP32_TARGET = "jax_kda_prepare_fp32_v1"
 RECURRENCE_FP32_TARGET = "jax_kda_recurrence_fp32_v1"
 # ... and its recurrence on a state pool: RECURRENCE_POOL_TARGET's operands with fp32 records.
 RECURRENCE_FP32_POOL_TARGET = "jax_kda_recurrence_fp32_pool_v1"
-# The backward pass's serial chains: a chunked f32 state recurrence (jax_kda/kernels/state_chain.py)
-# with R = 16 (forward state recompute, chunks first to last) or 32 (reverse state-gradient chain,
-# chunks last to first) rows per chunk.
-STATE_CHAIN_TARGET = "jax_kda_state_chain_v2"
-STATE_CHAIN_ROWS = (16, 32)
-STATE_CHAIN_REVERSE_ROWS = 32  # the chain with this R runs its chunks from the last
+# The backward pass's serial chains, both in one custom call: a chunked f32 state recurrence
+# (jax_kda/kernels/state_chain.py) with R rows per chunk, the forward state recompute (chunks first
+# to last) and the reverse state-gradient chain (chunks last to first).
+STATE_CHAIN_TARGET = "jax_kda_state_chains_v1"
+FORWARD_CHAIN_ROWS = 16
+REVERSE_CHAIN_ROWS = 32
 CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET,
                        PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, RECURRENCE_FP32_POOL_TARGET,
                        STATE_CHAIN_TARGET)
@@ -122,7 +122,6 @@ def cpp_header() -> str:
     """The C++ header with the numbers the FFI handlers check and dispatch on."""
     sms = ", ".join(str(arch_sm(a)) for a in ARCHS)
     splits = ", ".join(str(b) for b in COLUMN_SPLITS)
-    chain_rows = ", ".join(str(r) for r in STATE_CHAIN_ROWS)
     lines = [
         "// Generated from jax_kda/contract.py (python jax_kda/contract.py --header FILE); "
         "do not edit.",
@@ -144,7 +143,8 @@ def cpp_header() -> str:
         f"constexpr int32_t kStateBf16 = {STATE_DTYPE_IDS['bf16']};",
         f"constexpr int32_t kStateF32 = {STATE_DTYPE_IDS['f32']};",
         f"constexpr int64_t kMaxDecodeTokens = {MAX_DECODE_TOKENS};",
-        f"constexpr int32_t kStateChainRows[] = {{{chain_rows}}};",
+        f"constexpr int64_t kForwardChainRows = {FORWARD_CHAIN_ROWS};",
+        f"constexpr int64_t kReverseChainRows = {REVERSE_CHAIN_ROWS};",
         f"constexpr int kSupportedSms[] = {{{sms}}};  // 10 * major + minor",
         "",
         "}  // namespace jax_kda",

@@ -33,21 +33,22 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
    cancels in every product, so it is a constant under differentiation.
 
 2. Forward state recompute, serial over chunks (lax.scan with `unroll`, or chains="kernel": the GPU
-   chain kernel, forward_states_on_kernel):
+   chain kernel, both chains in one launch, chains_on_kernel):
      S_0 = initial state (zeros if none);
      P = kd S_c^T,  u = Diag(b) (v - P),  U = W u,  S_{c+1} = S_c Diag(gt) + U^T kr.
-   Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32; packed [1, H, S, ...]).
+   Saved: S_c, the state at every chunk's start ([N, H, C, 128, 128] f32; packed [1, H, S, ...]),
+   and the residual v - P of every chunk.
 
 3. Reverse state-gradient chain, serial over chunks from the last (lax.scan reverse with `unroll`,
-   or the chain kernel, reverse_state_gradients_on_kernel):
+   or the chain kernel, chains_on_kernel):
      dS_C = d_final_state;  per chunk, given dS_{c+1} (the gradient w.r.t. the state after it):
      dU = Mqk^T dout + kr dS_{c+1}^T,   du = W^T dU,
      dS_c = dS_{c+1} Diag(gt) + [dout; -Diag(b) du]^T [qd; kd]   (one product over 32 rows).
    Mqk^T dout is computed chunk-parallel before the chain; the chain needs no forward state.
    Saved: dS_{c+1} and du for every chunk; d_initial_state = dS_0.
 
-4. Chunk-parallel gradients (every chunk at once, from S_c, dS_{c+1}, du):
-     P, u, U recomputed from S_c as in 2;
+4. Chunk-parallel gradients (every chunk at once, from S_c, v - P, dS_{c+1}, du):
+     u, U from v - P as in 2;
      dqd = dout S_c,  dp = Diag(b) du,  dv = dp,  dkd = -dp S_c,  dkr = U dS_{c+1},
      dgt[k] = sum_j S_c[j, k] dS_{c+1}[j, k],
      dL = -strict(du U^T),  dA = Diag(b) dL,  dMqk = causal(dout U^T),
@@ -112,6 +113,7 @@ import numpy as np
 from jax import lax
 
 from . import _state_chain, head_groups
+from ._ffi import ChainOperands
 from ._manual_axes import vary_like
 from .contract import CHUNK, HEAD_DIM, workspace_slots
 
@@ -326,22 +328,24 @@ def _sequence_row(x, slots: Slots, index):
 
 
 def forward_states(f: ChunkFactors, v, state0, unroll=1, slots: Slots | None = None):
-    """Step 2: the state at every chunk's start, [N, H, C, 128, 128]. With slots (the packed
-    layout, N = 1) state0 is per sequence [num_seqs, H, 128, 128] and a sequence's first slot
-    starts from its row; a slot of no sequence (zero tokens: gt = 1, U = 0) passes the state on."""
+    """Step 2: (the state at every chunk's start [N, H, C, 128, 128], the residual v - P of every
+    chunk [N, H, C, 16, 128]). With slots (the packed layout, N = 1) state0 is per sequence
+    [num_seqs, H, 128, 128] and a sequence's first slot starts from its row; a slot of no
+    sequence (zero tokens: gt = 1, U = 0) passes the state on."""
 
     def step(state, x):
         fc, vc, index = x
         if slots is not None:
             state = jnp.where(slots.first[index], _sequence_row(state0, slots, index), state)
-        _, U = _delta_update(fc, vc, state)
-        return state * fc.gt[..., None, :] + _dot("...rv,...rk->...vk", U, fc.kr), state
+        residual, U = _delta_update(fc, vc, state)
+        return state * fc.gt[..., None, :] + _dot("...rv,...rk->...vk", U, fc.kr), (state,
+                                                                                    residual)
 
     num_chunks = v.shape[2]
     xs = (ChunkFactors(*map(_chunks_first, f)), _chunks_first(v), jnp.arange(num_chunks))
     init = state0 if slots is None else vary_like(jnp.zeros_like(state0[:1]), v)
-    _, states = lax.scan(step, init, xs, unroll=unroll)
-    return _chunks_back(states)
+    _, (states, residual) = lax.scan(step, init, xs, unroll=unroll)
+    return _chunks_back(states), _chunks_back(residual)
 
 
 def reverse_state_gradients(f: ChunkFactors, d_out, d_final_state, unroll=1,
@@ -408,38 +412,34 @@ def _per_row_init(x, slots: Slots | None):
     return x[:, None] if slots is None else x[None]
 
 
-def forward_states_on_kernel(f: ChunkFactors, v, state0, slots: Slots | None = None):
-    """Step 2 by the chain kernel (R = 16): U = (W Diag(b)) v - ((W Diag(b)) kd) S^T, so
-    A = W Diag(b) kd, Y = W Diag(b) v, B = kr, gamma = gt. forward_states' result, in f32 with
-    the products associated this way round."""
-    Wb = f.W * f.b[..., None, :]
+def chains_on_kernel(f: ChunkFactors, v, d_out, state0, d_final_state,
+                     slots: Slots | None = None):
+    """Steps 2 and 3 by the chain kernel, both chains in one launch: (states, residual, dS after
+    each chunk, du, dS_0) as forward_states and reverse_state_gradients give them, in f32 with
+    the products associated this way round. The forward chain: with U = W Diag(b) (v - kd S^T),
+    U^T kr = (v - kd S^T)^T Diag(b) W^T kr, so A = kd, Y = v, B = Diag(b) W^T kr, and Z is the
+    residual. The reverse chain: with du = W^T (Mqk^T dout + kr dS^T) and
+    -Diag(b) du^T kd = (-du)^T Diag(b) kd, A = W^T kr, Y = [-W^T Mqk^T dout; dout],
+    B = [Diag(b) kd; qd], and Z[:16] is -du. Then the gradient leaving each sequence's first
+    chunk (one more step there)."""
     N, _, C = v.shape[:3]
-    reset = (_chain_resets(N, C) if slots is None
-             else _chain_resets(N, C, slots.first, slots.sequence))
-    return _state_chain.state_chain(reset, _per_row_init(state0, slots), f.gt,
-                       _dot("...rc,...ck->...rk", Wb, f.kd), f.kr,
-                       _dot("...rc,...cv->...rv", Wb, v))
-
-
-def reverse_state_gradients_on_kernel(f: ChunkFactors, d_out, d_final_state,
-                                      slots: Slots | None = None):
-    """Step 3 by the chain kernel (R = 32, which runs over the chunks backwards): with
-    Wt = Diag(b) W^T, -Diag(b) du = -Wt Mqk^T dout - (Wt kr) dS^T, so A = Wt kr,
-    Y = [-Wt Mqk^T dout; dout], B = [kd; qd]. Then du (chunk-parallel, from dS after each chunk)
-    and the gradient leaving each sequence's first chunk (one more step there).
-    reverse_state_gradients' results."""
+    Wt_kr = _dot("...rc,...rk->...ck", f.W, f.kr)  # W^T kr
     dU_out = _dot("...rc,...rv->...cv", f.mqk, d_out)  # Mqk^T dout
-    Wt = f.b[..., :, None] * jnp.swapaxes(f.W, -1, -2)
-    N, _, C = d_out.shape[:3]
-    reset = (_chain_resets(N, C, last=True) if slots is None
-             else _chain_resets(N, C, slots.last, slots.sequence))
-    dS_after = _state_chain.state_chain(
-        reset, _per_row_init(d_final_state, slots), f.gt, _dot("...rc,...ck->...rk", Wt, f.kr),
-        jnp.concatenate([f.kd, f.qd], axis=-2),
-        jnp.concatenate([-_dot("...rc,...cv->...rv", Wt, dU_out), d_out], axis=-2))
-    du = _value_gradient(f.W, f.kr, dU_out, dS_after)
     if slots is None:
-        return dS_after, du, _state_gradient_leaving(f, d_out, dS_after, du, 0)
+        resets = _chain_resets(N, C), _chain_resets(N, C, last=True)
+    else:
+        resets = (_chain_resets(N, C, slots.first, slots.sequence),
+                  _chain_resets(N, C, slots.last, slots.sequence))
+    forward = ChainOperands(resets[0], _per_row_init(state0, slots), f.kd,
+                            f.b[..., None] * Wt_kr, v)
+    reverse = ChainOperands(
+        resets[1], _per_row_init(d_final_state, slots), Wt_kr,
+        jnp.concatenate([f.b[..., None] * f.kd, f.qd], axis=-2),
+        jnp.concatenate([-_dot("...rc,...rv->...cv", f.W, dU_out), d_out], axis=-2))
+    (states, residual), (dS_after, minus_du) = _state_chain.state_chains(f.gt, forward, reverse)
+    du = -minus_du
+    if slots is None:
+        return states, residual, dS_after, du, _state_gradient_leaving(f, d_out, dS_after, du, 0)
     num_seqs = d_final_state.shape[0]
     num_slots = slots.first.shape[0]
     # each sequence's first slot (num_slots for an empty sequence: it has none)
@@ -449,7 +449,8 @@ def reverse_state_gradients_on_kernel(f: ChunkFactors, d_out, d_final_state,
     leaving = _state_gradient_leaving(f, d_out, dS_after, du,
                                       jnp.minimum(first_slot, num_slots - 1))
     has_slot = (first_slot < num_slots)[:, None, None, None]
-    return dS_after, du, jnp.where(has_slot, jnp.moveaxis(leaving[0], 1, 0), d_final_state)
+    return (states, residual, dS_after, du,
+            jnp.where(has_slot, jnp.moveaxis(leaving[0], 1, 0), d_final_state))
 
 
 def _state_gradient_leaving(f: ChunkFactors, d_out, dS_after, du, chunk):
@@ -472,9 +473,10 @@ class ChunkGradients(NamedTuple):
     db: jax.Array  # [..., 16]     d sigmoid(beta)
 
 
-def chunk_gradients(f: ChunkFactors, v, d_out, states, dS_after, du, *, scale) -> ChunkGradients:
-    """Step 4, all chunks at once."""
-    residual, U = _delta_update(f, v, states)
+def chunk_gradients(f: ChunkFactors, d_out, states, residual, dS_after, du, *,
+                    scale) -> ChunkGradients:
+    """Step 4, all chunks at once (residual: v - P of step 2)."""
+    U = _dot("...rc,...cv->...rv", f.W, f.b[..., None] * residual)
     dqd = _dot("...rv,...vk->...rk", d_out, states)
     dp = f.b[..., None] * du
     dkd = -_dot("...rv,...vk->...rk", dp, states)
@@ -536,18 +538,14 @@ class Gradients(NamedTuple):
 
 
 def _chains(chains: str, unroll: int):
-    """Steps 2 and 3 by `chains` (CHAINS): (states, dS after each chunk, du, dS_0)."""
+    """Steps 2 and 3 by `chains` (CHAINS): (states, residual, dS after each chunk, du, dS_0)."""
     def scan(f, v, d_out, state0, dS_final, slots):
-        states = forward_states(f, v, state0, unroll, slots)
-        return (states,) + reverse_state_gradients(f, d_out, dS_final, unroll, slots)
-
-    def kernel(f, v, d_out, state0, dS_final, slots):
-        states = forward_states_on_kernel(f, v, state0, slots)
-        return (states,) + reverse_state_gradients_on_kernel(f, d_out, dS_final, slots)
+        states, residual = forward_states(f, v, state0, unroll, slots)
+        return (states, residual) + reverse_state_gradients(f, d_out, dS_final, unroll, slots)
 
     if chains == "auto":
-        return lambda *args: lax.platform_dependent(*args, cuda=kernel, default=scan)
-    return {"scan": scan, "kernel": kernel}[chains]
+        return lambda *args: lax.platform_dependent(*args, cuda=chains_on_kernel, default=scan)
+    return {"scan": scan, "kernel": chains_on_kernel}[chains]
 
 
 CHAINS = ("scan", "kernel", "auto")  # XLA scans, the GPU chain kernel, the kernel on CUDA
@@ -598,9 +596,9 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     f = chunk_factors(chunked(q), chunked(k), chunked(g), chunked(beta), A_log, dt_bias,
                       jnp.broadcast_to(layout.valid[:, None], vc.shape[:-1]),
                       scale=scale, lower_bound=lower_bound)
-    states, dS_after, du, dS0 = _chains(chains, unroll)(f, vc, d_outc, state0, dS_final,
-                                                        layout.slots)
-    grads = chunk_gradients(f, vc, d_outc, states, dS_after, du, scale=scale)
+    states, residual, dS_after, du, dS0 = _chains(chains, unroll)(f, vc, d_outc, state0,
+                                                                  dS_final, layout.slots)
+    grads = chunk_gradients(f, d_outc, states, residual, dS_after, du, scale=scale)
 
     valid = layout.valid[:, None, :, :, None]
     dx = jnp.where(valid, grads.dgamma * _gate_scale(lower_bound) * _sigmoid_derivative(f.x), 0.0)

@@ -1,23 +1,23 @@
 """A plain-JAX model of the chain kernel (jax_kda/kernels/state_chain.py's docstring, written
-from it): the recurrence the kernel runs, in f32 at HIGHEST precision, as lax.scan. The CPU tests
-put it in the kernel's place to check the operands jax_kda.reference_backward builds for it; the
-GPU tests compare the kernel with it."""
+from it): the two recurrences the kernel runs, in f32 at HIGHEST precision, as lax.scan. The CPU
+tests put it in the kernel's place to check the operands jax_kda.reference_backward builds for it;
+the GPU tests compare the kernel with it."""
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_kda import contract
+from jax_kda._ffi import ChainOperands
 
 HIGHEST = lax.Precision.HIGHEST
 
 
-def state_chain_model(reset, init, gamma, A, B, Y):
-    """reset [N, C], init [N, Ni, H, 128, 128], gamma [N, H, C, 128], A [N, H, C, 16, 128],
-    B, Y [N, H, C, R, 128] -> the state entering every chunk [N, H, C, 128, 128]; the chain with
-    R = contract.STATE_CHAIN_REVERSE_ROWS visits the chunks from the last."""
-    num_init, rows = init.shape[1], B.shape[-2]
-    reverse = rows == contract.STATE_CHAIN_REVERSE_ROWS
+def chain_model(gamma, ops: ChainOperands, reverse: bool):
+    """One chain: reset [N, C], init [N, Ni, H, 128, 128], gamma [N, H, C, 128],
+    A [N, H, C, 16, 128], B, Y [N, H, C, R, 128] -> (the state entering every chunk
+    [N, H, C, 128, 128], Z's first 16 rows [N, H, C, 16, 128]), the chunks visited from the last
+    when `reverse`."""
+    num_init, rows = ops.init.shape[1], ops.B.shape[-2]
 
     def one_row(reset, init, gamma, A, B, Y):
         def step(X, xs):
@@ -26,12 +26,19 @@ def state_chain_model(reset, init, gamma, A, B, Y):
             X = jnp.where((r >= 0) & (r < num_init), start, X)
             P = jnp.einsum("hrk,hvk->hrv", a, X, precision=HIGHEST)
             Z = y - jnp.pad(P, ((0, 0), (0, rows - P.shape[1]), (0, 0)))
-            return X * g[:, None, :] + jnp.einsum("hrv,hrk->hvk", Z, b, precision=HIGHEST), X
+            X_next = X * g[:, None, :] + jnp.einsum("hrv,hrk->hvk", Z, b, precision=HIGHEST)
+            return X_next, (X, Z[:, :P.shape[1]])
 
         chunks_first = lambda x: jnp.moveaxis(x, 1, 0)
         X0 = jnp.zeros(init.shape[1:], jnp.float32)
-        _, states = lax.scan(step, X0, (reset,) + tuple(map(chunks_first, (gamma, A, B, Y))),
-                             reverse=reverse)
-        return jnp.moveaxis(states, 0, 1)
+        _, (states, z) = lax.scan(step, X0, (reset,) + tuple(map(chunks_first, (gamma, A, B, Y))),
+                                  reverse=reverse)
+        return jnp.moveaxis(states, 0, 1), jnp.moveaxis(z, 0, 1)
 
-    return jax.vmap(one_row)(reset, init, gamma, A, B, Y)
+    return jax.vmap(one_row)(ops.reset, ops.init, gamma, ops.A, ops.B, ops.Y)
+
+
+def state_chains_model(gamma, forward: ChainOperands, reverse: ChainOperands):
+    """jax_kda._state_chain.state_chains as the model: the forward chain first to last, the
+    reverse chain last to first."""
+    return chain_model(gamma, forward, False), chain_model(gamma, reverse, True)

@@ -1,9 +1,10 @@
 """The backward's chain kernel on the GPU (marker gpu).
 
-1. The kernel (jax_kda._state_chain.state_chain, both row counts) against its plain-JAX model
-   (tests/state_chain_model.py, XLA's summation order): relative RMSE <= 2e-6 over 37 chunks with
-   resets (the bit-equal fraction printed); the state entering a reset chunk is init's bits; run to
-   run bitwise; vmap folds into one launch whose elements equal their own calls bitwise.
+1. The kernel (jax_kda._state_chain.state_chains, both chains) against its plain-JAX model
+   (tests/state_chain_model.py, XLA's summation order): states and z within relative RMSE 2e-6
+   over 37 chunks with resets (the bit-equal fraction printed); the state entering a reset chunk
+   is init's bits; run to run bitwise; vmap folds into one launch whose elements equal their own
+   calls bitwise.
 2. The custom VJP of kda_prefill on backend "kernel" runs the chain kernel (chains="kernel") and
    gives the float64 oracle's gradients as tests/test_reference_backward.py demands of the scans:
    five gate regimes, batched and packed with empty sequences; bitwise run to run; within f32
@@ -18,11 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from state_chain_model import state_chain_model
+from state_chain_model import state_chains_model
 from test_reference_backward import CU, NAMES, H, T, assert_matches_exact
 
 import jax_kda
 from jax_kda import _state_chain, contract
+from jax_kda._ffi import ChainOperands
 from jax_kda.bench import gradients
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_gpus")]
@@ -31,14 +33,16 @@ MODEL_BOUND = 2e-6
 SCANS_BOUND = 2e-5  # as tests/test_state_chain_operands.py: reassociation only
 
 
-def chain_operands(rng, N, Hh, C, rows, Ni):
-    """Operands of a stable chain: gamma in [0.5, 1], small A and B (the update's spectral radius
-    stays below 1), Y ~ N(0, 1)."""
+def chain_operands(rng, N, Hh, C, Ni):
+    """(gamma, forward, reverse) of stable chains: gamma in [0.5, 1], small A and B (the update's
+    spectral radius stays below 1), Y ~ N(0, 1); both chains with the resets of `resets`."""
     f = lambda *s, scale=1.0: jnp.asarray(scale * rng.standard_normal(s), jnp.float32)
-    return (f(N, Ni, Hh, 128, 128),
-            jnp.asarray(rng.uniform(0.5, 1.0, (N, Hh, C, 128)), jnp.float32),
-            f(N, Hh, C, 16, 128, scale=0.02), f(N, Hh, C, rows, 128, scale=0.02),
-            f(N, Hh, C, rows, 128))
+    reset = resets(N, C, Ni)
+    chain = lambda rows: ChainOperands(reset, f(N, Ni, Hh, 128, 128), f(N, Hh, C, 16, 128,
+                                                                         scale=0.02),
+                                       f(N, Hh, C, rows, 128, scale=0.02), f(N, Hh, C, rows, 128))
+    return (jnp.asarray(rng.uniform(0.5, 1.0, (N, Hh, C, 128)), jnp.float32),
+            chain(contract.FORWARD_CHAIN_ROWS), chain(contract.REVERSE_CHAIN_ROWS))
 
 
 def resets(N, C, Ni):
@@ -51,48 +55,47 @@ def resets(N, C, Ni):
     return jnp.asarray(reset)
 
 
-@pytest.mark.parametrize("rows", [16, 32])
-def test_chain_kernel_matches_its_model(rows, rng):
+def test_chain_kernel_matches_its_model(rng):
     N, Hh, C, Ni = 2, 3, 37, 2
-    init, gamma, A, B, Y = chain_operands(rng, N, Hh, C, rows, Ni)
-    reset = resets(N, C, Ni)
-    run = jax.jit(_state_chain.state_chain)
-    got = run(reset, init, gamma, A, B, Y)
-    again = run(reset, init, gamma, A, B, Y)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
-    want = jax.jit(state_chain_model)(reset, init, gamma, A, B, Y)
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.all(np.isfinite(got))
-    error = np.sqrt(np.sum((got - want) ** 2) / np.sum(want**2))
-    print(f"rows {rows}: rel RMSE {error:.1e}, bit-equal {np.mean(got == want):.3f}")
-    assert error <= MODEL_BOUND
-    init = np.asarray(init)
-    np.testing.assert_array_equal(got[0, :, 0], init[0, 0])
-    np.testing.assert_array_equal(got[0, :, C // 3], init[0, 1])
-    np.testing.assert_array_equal(got[0, :, C - 1], init[0, 0])
-    np.testing.assert_array_equal(got[1, :, 5], init[1, 1])
-    # row 1 enters the chain's first chunk with zeros, and the next four with a nonzero state
-    if rows == contract.STATE_CHAIN_REVERSE_ROWS:
-        first, following = C - 1, slice(C - 5, C - 1)
-    else:
-        first, following = 0, slice(1, 5)
-    assert not np.any(got[1, :, first]) and np.all(np.any(got[1, :, following], axis=(-1, -2)))
-    # the out-of-range index read nothing: no row of init is entering chunk C // 2
-    assert all(np.any(got[0, :, C // 2] != init[0, i]) for i in range(Ni))
+    args = chain_operands(rng, N, Hh, C, Ni)
+    run = jax.jit(_state_chain.state_chains)
+    got = jax.tree.map(np.asarray, run(*args))
+    again = jax.tree.map(np.asarray, run(*args))
+    jax.tree.map(np.testing.assert_array_equal, got, again)
+    want = jax.tree.map(np.asarray, jax.jit(state_chains_model)(*args))
+    chains = (("forward", args[1], 0, slice(1, 5)),
+              ("reverse", args[2], C - 1, slice(C - 5, C - 1)))
+    for (name, ops, first, following), got_chain, want_chain in zip(chains, got, want):
+        for what, a, b in zip(("states", "z"), got_chain, want_chain):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.all(np.isfinite(a))
+            error = np.sqrt(np.sum((a - b) ** 2) / np.sum(b**2))
+            print(f"{name} {what}: rel RMSE {error:.1e}, bit-equal {np.mean(a == b):.3f}")
+            assert error <= MODEL_BOUND, (name, what)
+        states, init = got_chain[0], np.asarray(ops.init)
+        np.testing.assert_array_equal(states[0, :, 0], init[0, 0])
+        np.testing.assert_array_equal(states[0, :, C // 3], init[0, 1])
+        np.testing.assert_array_equal(states[0, :, C - 1], init[0, 0])
+        np.testing.assert_array_equal(states[1, :, 5], init[1, 1])
+        # row 1 enters the chain's first chunk with zeros, and the next four with a nonzero state
+        assert not np.any(states[1, :, first])
+        assert np.all(np.any(states[1, :, following], axis=(-1, -2)))
+        # the out-of-range index read nothing: no row of init is entering chunk C // 2
+        assert all(np.any(states[0, :, C // 2] != init[0, i]) for i in range(Ni))
 
 
 def test_chain_kernel_vmap_is_one_launch(rng):
     n, N, Hh, C, Ni = 3, 2, 2, 9, 2
-    parts = [chain_operands(rng, N, Hh, C, 32, Ni) for _ in range(n)]
-    stacked = [jnp.stack(xs) for xs in zip(*parts)]
-    reset = resets(N, C, Ni)
-    run = jax.jit(jax.vmap(_state_chain.state_chain, in_axes=(None, 0, 0, 0, 0, 0)))
-    text = run.lower(reset, *stacked).as_text()
-    assert text.count("custom_call @jax_kda_state_chain_v2(") == 1
-    got = run(reset, *stacked)
+    parts = [chain_operands(rng, N, Hh, C, Ni) for _ in range(n)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
+    run = jax.jit(jax.vmap(_state_chain.state_chains))
+    text = run.lower(*stacked).as_text()
+    assert text.count("custom_call @jax_kda_state_chains_v1(") == 1
+    got = run(*stacked)
     for i, xs in enumerate(parts):
-        np.testing.assert_array_equal(np.asarray(got[i]),
-                                      np.asarray(jax.jit(_state_chain.state_chain)(reset, *xs)))
+        want = jax.jit(_state_chain.state_chains)(*xs)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b)),
+                     got, want)
 
 
 @pytest.mark.parametrize("cu_seqlens", [None, CU], ids=["batched", "packed"])

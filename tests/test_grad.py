@@ -165,8 +165,8 @@ def test_forward_mode_is_refused():
 
 def test_kernel_backend_gradient_lowers_to_the_forward_kernels(monkeypatch):
     """backend="kernel": value_and_grad lowered for CUDA holds the forward's two custom calls once
-    (the residuals are the inputs) and a backward whose two serial chains are the chain kernel
-    (R = 16: the state recompute, R = 32: the reverse chain), the rest XLA; jax.grad alone, whose
+    (the residuals are the inputs) and a backward whose two serial chains are one launch of the
+    chain kernel (the state recompute and the reverse chain), the rest XLA; jax.grad alone, whose
     loss value nobody uses, needs no forward at all."""
     monkeypatch.setattr(api, "_require_kernels", lambda: None)  # lowering needs no GPU
     x, _, weights = make_point()
@@ -175,8 +175,7 @@ def test_kernel_backend_gradient_lowers_to_the_forward_kernels(monkeypatch):
         text = jax.jit(transform(f)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @jax_kda_prepare_v1(") == calls, transform
         assert text.count("custom_call @jax_kda_recurrence_v1(") == calls, transform
-        assert text.count("custom_call @jax_kda_state_chain_v2(") == 2, transform
-        assert "rows = 16" in text and "rows = 32" in text, transform
+        assert text.count("custom_call @jax_kda_state_chains_v1(") == 1, transform
 
 
 def test_checkpoint_policies_keep_or_drop_the_named_inputs(monkeypatch):

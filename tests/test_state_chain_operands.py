@@ -6,20 +6,20 @@ the model: tests/test_gpu_backward.py."""
 
 import numpy as np
 import pytest
-from state_chain_model import state_chain_model
+from state_chain_model import state_chains_model
 from test_reference_backward import CU, NAMES, H, T, assert_matches_exact
 
 from jax_kda import _state_chain, reference_backward
 from jax_kda.bench import gradients
 
-# The two ways differ by reassociation only ((W b) kd S^T against W (b (kd S^T)), one chain step
-# for dS_0): relative RMSE of the f32 gradients between them
+# The two ways differ by reassociation only ((v - kd S^T)^T (b W^T kr) against (W b (v - kd S^T))^T
+# kr, one chain step for dS_0): relative RMSE of the f32 gradients between them
 BETWEEN_BOUND = 2e-5
 
 
 @pytest.fixture
 def modelled_kernel(monkeypatch):
-    monkeypatch.setattr(_state_chain, "state_chain", state_chain_model)
+    monkeypatch.setattr(_state_chain, "state_chains", state_chains_model)
     yield
     gradients.clear_cache()  # no later test may get a program compiled with the model
 

@@ -26,7 +26,7 @@ class Spec:
     # "prepare_fp32" | "recurrence_fp32" (the fp32 numerics mode's prefill kernels) |
     # "state_chain" (the backward pass's serial chains)
     kernel: str
-    # inverse name (prepare, decode), block_v (recurrence), rows (state_chain), None (baseline)
+    # inverse name (prepare, decode), block_v (recurrence), None (baseline, state_chain)
     variant: str | int | None
     arch: str  # a key of contract.ARCHS
     # "bf16" | "f32": a state-pool kernel (the serving recurrence, the decode kernel); None: the
@@ -61,8 +61,7 @@ class Spec:
         return {"prepare": {"inverse": self.variant, "grouped": self.grouped},
                 "prepare_fp32": {"grouped": self.grouped},
                 "recurrence": {"block_v": self.variant},
-                "recurrence_fp32": {"block_v": self.variant},
-                "state_chain": {"rows": self.variant}}.get(self.kernel, {})
+                "recurrence_fp32": {"block_v": self.variant}}.get(self.kernel, {})
 
     @property
     def variant_id(self) -> int:
@@ -73,6 +72,8 @@ class Spec:
             return contract.INVERSE_IDS["stable"]
         if self.kernel == "recurrence_baseline":
             return contract.BASELINE_BLOCK_V
+        if self.kernel == "state_chain":  # one specialisation: both chains in one launch
+            return 0
         return int(self.variant)
 
     @property
@@ -98,7 +99,7 @@ class Spec:
             states = "_states" if self.intermediate else ""
             return f"jax_kda_decode_{self.variant}_{self.state_dtype}{states}_{arch}"
         tags = {"prepare": f"_{self.variant}", "recurrence": f"_bv{self.variant}",
-                "recurrence_fp32": f"_bv{self.variant}", "state_chain": f"_r{self.variant}"}
+                "recurrence_fp32": f"_bv{self.variant}"}
         return f"jax_kda_{self.kernel}{tags.get(self.kernel, '')}_{arch}"
 
 
@@ -132,7 +133,7 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
         specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs += [Spec("recurrence_fp32", bv, arch, state_dtype=dt)
                   for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]
-        specs += [Spec("state_chain", rows, arch) for rows in contract.STATE_CHAIN_ROWS]
+        specs.append(Spec("state_chain", None, arch))
     return specs
 
 
