@@ -33,6 +33,7 @@ def kernel_times(trace_dir: str) -> dict[str, list[int]]:
         for line in plane.lines:
             if "stream" not in line.name.lower():  # not the per-op or per-module summaries
                 continue
+            print(f"counting {plane.name}: {line.name}")
             for event in line.events:
                 times[event.name].append(event.duration_ns)
     if not times:
