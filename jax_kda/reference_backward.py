@@ -319,7 +319,12 @@ def _chunks_back(x):
 def _delta_update(f: ChunkFactors, v, state):
     """(v - P, U) of step 2 for states [..., 128 (v), 128 (k)] at the chunks' start."""
     residual = v - _dot("...rk,...vk->...rv", f.kd, state)
-    return residual, _dot("...rc,...cv->...rv", f.W, f.b[..., None] * residual)
+    return residual, _update_of(f, residual)
+
+
+def _update_of(f: ChunkFactors, residual):
+    """U = W Diag(b) (v - P) of step 2, from the residual v - P."""
+    return _dot("...rc,...cv->...rv", f.W, f.b[..., None] * residual)
 
 
 def _sequence_row(x, slots: Slots, index):
@@ -476,7 +481,7 @@ class ChunkGradients(NamedTuple):
 def chunk_gradients(f: ChunkFactors, d_out, states, residual, dS_after, du, *,
                     scale) -> ChunkGradients:
     """Step 4, all chunks at once (residual: v - P of step 2)."""
-    U = _dot("...rc,...cv->...rv", f.W, f.b[..., None] * residual)
+    U = _update_of(f, residual)
     dqd = _dot("...rv,...vk->...rk", d_out, states)
     dp = f.b[..., None] * du
     dkd = -_dot("...rv,...vk->...rk", dp, states)
