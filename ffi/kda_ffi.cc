@@ -270,6 +270,7 @@ JAX_KDA_EXPORT const char* jax_kda_ffi_kernels() {
     for (const auto& spec : jax_kda::PrepareFp32Specs()) add(spec.module.name);
     for (const auto& spec : jax_kda::RecurrenceFp32Specs()) add(spec.module.name);
     for (const auto& spec : jax_kda::RecurrenceFp32PoolSpecs()) add(spec.module.name);
+    for (const auto& spec : jax_kda::DecodeFp32Specs()) add(spec.module.name);
     for (const auto& spec : jax_kda::StateChainSpecs()) add(spec.module.name);
     return s;
   }();

@@ -106,6 +106,8 @@ namespace {
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM) JAX_KDA_RECURRENCE(P, BLOCK_V, SM)
 #define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM) \
   JAX_KDA_RECURRENCE_POOL(P, BLOCK_V, STATE_DTYPE, SM)
+#define JAX_KDA_DECODE_FP32(P, STATE_DTYPE, GROUPED, SM) \
+  JAX_KDA_DECODE(P, 0, STATE_DTYPE, 0, GROUPED, SM)
 #define JAX_KDA_STATE_CHAIN(P, VARIANT, SM)                                             \
   std::string Launch_##P(const StateChainArgs& a) {                                     \
     JAX_KDA_FILL(P, mResetF, reset_f)                                                   \
@@ -136,6 +138,7 @@ namespace {
 #undef JAX_KDA_PREPARE_FP32
 #undef JAX_KDA_RECURRENCE_FP32
 #undef JAX_KDA_RECURRENCE_FP32_POOL
+#undef JAX_KDA_DECODE_FP32
 #undef JAX_KDA_STATE_CHAIN
 
 // ---- tables (each ends with a sentinel so that it is never empty) ----------------------------
@@ -153,6 +156,7 @@ namespace {
 #define JAX_KDA_PREPARE_FP32(P, INVERSE, GROUPED, SM)
 #define JAX_KDA_RECURRENCE_FP32(P, BLOCK_V, SM)
 #define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM)
+#define JAX_KDA_DECODE_FP32(P, STATE_DTYPE, GROUPED, SM)
 #define JAX_KDA_STATE_CHAIN(P, VARIANT, SM)
 
 #undef JAX_KDA_PREPARE
@@ -216,6 +220,15 @@ const KernelSpec<RecurrencePoolArgs> kRecurrenceFp32PoolSpecs[] = {
 #undef JAX_KDA_RECURRENCE_FP32_POOL
 #define JAX_KDA_RECURRENCE_FP32_POOL(P, BLOCK_V, STATE_DTYPE, SM)
 
+#undef JAX_KDA_DECODE_FP32
+#define JAX_KDA_DECODE_FP32(P, STATE_DTYPE, GROUPED, SM) \
+  JAX_KDA_ENTRY(P, DecodeVariant(0, STATE_DTYPE, 0, GROUPED), SM)
+const KernelSpec<DecodeArgs> kDecodeFp32Specs[] = {
+#include "kernels_specs.inc"
+    JAX_KDA_SENTINEL};
+#undef JAX_KDA_DECODE_FP32
+#define JAX_KDA_DECODE_FP32(P, STATE_DTYPE, GROUPED, SM)
+
 #undef JAX_KDA_STATE_CHAIN
 #define JAX_KDA_STATE_CHAIN(P, VARIANT, SM) JAX_KDA_ENTRY(P, VARIANT, SM)
 const KernelSpec<StateChainArgs> kStateChainSpecs[] = {
@@ -231,6 +244,7 @@ const KernelSpec<StateChainArgs> kStateChainSpecs[] = {
 #undef JAX_KDA_PREPARE_FP32
 #undef JAX_KDA_RECURRENCE_FP32
 #undef JAX_KDA_RECURRENCE_FP32_POOL
+#undef JAX_KDA_DECODE_FP32
 #undef JAX_KDA_STATE_CHAIN
 
 template <typename Args, size_t N>
@@ -256,6 +270,9 @@ std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs() {
 }
 std::span<const KernelSpec<RecurrencePoolArgs>> RecurrenceFp32PoolSpecs() {
   return WithoutSentinel(kRecurrenceFp32PoolSpecs);
+}
+std::span<const KernelSpec<DecodeArgs>> DecodeFp32Specs() {
+  return WithoutSentinel(kDecodeFp32Specs);
 }
 std::span<const KernelSpec<StateChainArgs>> StateChainSpecs() {
   return WithoutSentinel(kStateChainSpecs);

@@ -70,6 +70,9 @@ std::span<const KernelSpec<PrepareArgs>> PrepareFp32Specs();
 std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs();
 // ... and its state-pool recurrence: the operands of RecurrencePoolSpecs' kernels.
 std::span<const KernelSpec<RecurrencePoolArgs>> RecurrenceFp32PoolSpecs();
+// ... and its fused decode: the operands of DecodeSpecs' kernels (keyed by DecodeVariant with
+// inverse 0, no intermediate states).
+std::span<const KernelSpec<DecodeArgs>> DecodeFp32Specs();
 // The backward pass's state chains (one specialisation per architecture, variant 0).
 std::span<const KernelSpec<StateChainArgs>> StateChainSpecs();
 

@@ -7,6 +7,9 @@
 //   jax_kda_decode_v1           q, k, v, g, beta, A_log, dt_bias, state_indices, pool
 //                               -> out, pool (aliased), states (q, k on Hk heads, the rest on
 //                               H, a multiple: grouped heads)
+//   jax_kda_decode_fp32_v1      the same operands and attributes in the fp32 numerics mode
+//                               (inverse 0 = its one inverse; no intermediate states: the
+//                               states result must be empty)
 // Pools and checkpoints are bf16 or f32: the buffer's dtype picks the specialisation. Stages as
 // in kda_ffi.cc; the instantiate stage sees no buffers, so it loads both dtypes' modules.
 #include <cuda_runtime.h>
@@ -216,20 +219,39 @@ std::string DecodeText(int variant) {  // a DecodeVariant (kernel_registry.h)
          (variant % 2 ? ", grouped q/k heads" : "");
 }
 
+// The two modes' decode calls: the same operands and attributes, their own kernels; the fp32
+// mode's have one inverse (0) and no per-token states.
+struct FlashKdaDecode {
+  static constexpr const char* kCall = "decode";
+  static constexpr bool kIntermediate = true;
+  static std::span<const KernelSpec<DecodeArgs>> Specs() { return DecodeSpecs(); }
+};
+struct Fp32Decode {
+  static constexpr const char* kCall = "decode_fp32";
+  static constexpr bool kIntermediate = false;
+  static std::span<const KernelSpec<DecodeArgs>> Specs() { return DecodeFp32Specs(); }
+};
+
+template <typename Mode>
 std::string CheckDecodeAttrs(float scale, float lower_bound, int32_t inverse,
                              int32_t intermediate) {
-  if (std::string e = CheckGateAttrs("decode", scale, lower_bound, inverse); !e.empty()) return e;
+  const char* call = Mode::kCall;
+  if (std::string e = CheckGateAttrs(call, scale, lower_bound, inverse); !e.empty()) return e;
   if (intermediate != 0 && intermediate != 1) {
-    return "decode: attribute intermediate must be 0 or 1";
+    return std::string(call) + ": attribute intermediate must be 0 or 1";
+  }
+  if (!Mode::kIntermediate && (intermediate != 0 || inverse != 0)) {
+    return std::string(call) + ": attributes inverse and intermediate must be 0";
   }
   return {};
 }
 
-ffi::Error DecodeInstantiate(float scale, float lower_bound, int32_t inverse,
-                             int32_t intermediate) {
-  JAX_KDA_RETURN_IF(CheckDecodeAttrs(scale, lower_bound, inverse, intermediate));
+template <typename Mode>
+ffi::Error DecodeInstantiateIn(float scale, float lower_bound, int32_t inverse,
+                               int32_t intermediate) {
+  JAX_KDA_RETURN_IF(CheckDecodeAttrs<Mode>(scale, lower_bound, inverse, intermediate));
   // no buffers here: both pool dtypes, with and without grouped q/k heads
-  std::string e = LoadOnActiveDevices(DecodeSpecs(),
+  std::string e = LoadOnActiveDevices(Mode::Specs(),
                                       {DecodeVariant(inverse, kStateBf16, intermediate, 0),
                                        DecodeVariant(inverse, kStateF32, intermediate, 0),
                                        DecodeVariant(inverse, kStateBf16, intermediate, 1),
@@ -238,31 +260,42 @@ ffi::Error DecodeInstantiate(float scale, float lower_bound, int32_t inverse,
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q,
+ffi::Error DecodeInstantiate(float scale, float lower_bound, int32_t inverse,
+                             int32_t intermediate) {
+  return DecodeInstantiateIn<FlashKdaDecode>(scale, lower_bound, inverse, intermediate);
+}
+ffi::Error DecodeFp32Instantiate(float scale, float lower_bound, int32_t inverse,
+                                 int32_t intermediate) {
+  return DecodeInstantiateIn<Fp32Decode>(scale, lower_bound, inverse, intermediate);
+}
+
+template <typename Mode>
+ffi::Error DecodeRun(bool execute, cudaStream_t stream,
+                     ffi::Buffer<ffi::BF16> q,
                      ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> g,
                      ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::F32> a_log,
                      ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::S32> state_indices,
                      ffi::AnyBuffer pool, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                      ffi::Result<ffi::AnyBuffer> pool_out, ffi::Result<ffi::AnyBuffer> states,
                      float scale, float lower_bound, int32_t inverse, int32_t intermediate) {
-  const char* call = "decode";
-  JAX_KDA_RETURN_IF(CheckDecodeAttrs(scale, lower_bound, inverse, intermediate));
+  const char* call = Mode::kCall;
+  JAX_KDA_RETURN_IF(CheckDecodeAttrs<Mode>(scale, lower_bound, inverse, intermediate));
   int dtype = 0, states_dtype = 0;
   JAX_KDA_RETURN_IF(StateDtype(call, "pool", pool.element_type(), &dtype));
   JAX_KDA_RETURN_IF(StateDtype(call, "states (result)", states->element_type(), &states_dtype));
-  if (states_dtype != dtype) return Internal("decode: states and pool differ in dtype");
+  if (states_dtype != dtype) return Internal(std::string(call) + ": states and pool differ in dtype");
   const bool grouped = HasGroupedHeads(q.dimensions(), v.dimensions(), 2);
   const int variant = DecodeVariant(inverse, dtype, intermediate, grouped);
   const KernelSpec<DecodeArgs>* spec = nullptr;
   if (!execute) {
-    std::string e = Resolve(DecodeSpecs(), "decode", DecodeText, variant, stream,
+    std::string e = Resolve(Mode::Specs(), call, DecodeText, variant, stream,
                             /*in_execute=*/false, &spec);
     return e.empty() ? ffi::Error::Success() : Internal(e);
   }
 
   auto q_dims = q.dimensions();
   if (q_dims.size() != 4 || q_dims[3] != kHeadDim) {
-    return ffi::Error::InvalidArgument("jax_kda: decode: q must be [N, t, Hk, 128], got " +
+    return ffi::Error::InvalidArgument("jax_kda: " + std::string(call) + ": q must be [N, t, Hk, 128], got " +
                                        DimsString(q_dims));
   }
   // N, t and Hk from q; H (the heads of v, g, beta, A_log, dt_bias, the pool and the results)
@@ -271,12 +304,12 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q
   int64_t h = 0;  // the variant above already knows whether Hk < H
   JAX_KDA_RETURN_IF(CheckValueHeads(call, "v", v.dimensions(), 2, hk, &h, nullptr));
   if (t < 1 || t > kMaxDecodeTokens) {
-    return ffi::Error::InvalidArgument("jax_kda: decode: t must lie in [1, " +
+    return ffi::Error::InvalidArgument("jax_kda: " + std::string(call) + ": t must lie in [1, " +
                                        std::to_string(kMaxDecodeTokens) + "], got " +
                                        std::to_string(t));
   }
   if (pool.dimensions().size() != 4) {
-    return ffi::Error::InvalidArgument("jax_kda: decode: pool must be [P, H, 128, 128]");
+    return ffi::Error::InvalidArgument("jax_kda: " + std::string(call) + ": pool must be [P, H, 128, 128]");
   }
   const int64_t p = pool.dimensions()[0];
   DecodeArgs a;
@@ -301,7 +334,7 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q
   a.scale = scale;
   a.lower_bound = lower_bound;
   a.stream = stream;
-  std::string e = Resolve(DecodeSpecs(), "decode", DecodeText, variant, stream,
+  std::string e = Resolve(Mode::Specs(), call, DecodeText, variant, stream,
                           /*in_execute=*/true, &spec);
   if (e.empty()) e = spec->launch(a);
   if (!e.empty()) return Internal(e);
@@ -321,9 +354,17 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q
       scale, lower_bound, inverse, intermediate
 
 ffi::Error DecodeInitialize(JAX_KDA_DECODE_PARAMS) {
-  return DecodeRun(false, JAX_KDA_DECODE_ARGS);
+  return DecodeRun<FlashKdaDecode>(false, JAX_KDA_DECODE_ARGS);
 }
-ffi::Error DecodeExecute(JAX_KDA_DECODE_PARAMS) { return DecodeRun(true, JAX_KDA_DECODE_ARGS); }
+ffi::Error DecodeExecute(JAX_KDA_DECODE_PARAMS) {
+  return DecodeRun<FlashKdaDecode>(true, JAX_KDA_DECODE_ARGS);
+}
+ffi::Error DecodeFp32Initialize(JAX_KDA_DECODE_PARAMS) {
+  return DecodeRun<Fp32Decode>(false, JAX_KDA_DECODE_ARGS);
+}
+ffi::Error DecodeFp32Execute(JAX_KDA_DECODE_PARAMS) {
+  return DecodeRun<Fp32Decode>(true, JAX_KDA_DECODE_ARGS);
+}
 
 template <ffi::ExecutionStage stage>
 auto DecodeBinding() {
@@ -347,6 +388,12 @@ auto DecodeBinding() {
       .template Attr<int32_t>("intermediate");
 }
 
+// The fp32 decode binds the same operands and attributes.
+template <ffi::ExecutionStage stage>
+auto DecodeFp32Binding() {
+  return DecodeBinding<stage>();
+}
+
 auto DecodeInstantiateBinding() {
   return ffi::Ffi::BindInstantiate()
       .Attr<float>("scale")
@@ -355,9 +402,12 @@ auto DecodeInstantiateBinding() {
       .Attr<int32_t>("intermediate");
 }
 
+auto DecodeFp32InstantiateBinding() { return DecodeInstantiateBinding(); }
+
 }  // namespace
 }  // namespace jax_kda
 
 JAX_KDA_HANDLERS(JaxKdaRecurrencePoolV1, RecurrencePool)
 JAX_KDA_HANDLERS(JaxKdaRecurrenceFp32PoolV1, RecurrenceFp32Pool)
 JAX_KDA_HANDLERS(JaxKdaDecodeV1, Decode)
+JAX_KDA_HANDLERS(JaxKdaDecodeFp32V1, DecodeFp32)

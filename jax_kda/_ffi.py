@@ -36,6 +36,7 @@ _HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
     contract.PREPARE_FP32_TARGET: "JaxKdaPrepareFp32V1",
     contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
     contract.RECURRENCE_FP32_POOL_TARGET: "JaxKdaRecurrenceFp32PoolV1",
+    contract.DECODE_FP32_TARGET: "JaxKdaDecodeFp32V1",
     contract.STATE_CHAIN_TARGET: "JaxKdaStateChainsV1",
 }
 _HANDLER_SYMBOLS = {
@@ -334,14 +335,18 @@ def recurrence_pool_call(v, beta, workspace, cu_seqlens, state_indices, checkpoi
                 checkpoints, block_v=np.int32(block_v), checkpoint_chunks=np.int32(chunks))
 
 
+_DECODE_TARGETS = {"flashkda": contract.DECODE_TARGET, "fp32": contract.DECODE_FP32_TARGET}
+
+
 def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale, lower_bound,
-                inverse, intermediate_states):
+                inverse, intermediate_states, numerics="flashkda"):
     """The fused decode step (docs/kernel_abi.md): prepare and one chunk for t <= 16 tokens per
     sequence, sequence n's state read from and written back to pool[state_indices[n]] (in
     place: aliased). q and k [N, t, Hk, 128], everything else on H heads, a multiple of Hk
     (grouped value heads). Returns (out bf16 [N, t, H, 128], pool, states [N, t, H, 128, 128] in
     the pool's dtype: the state after each token; an empty [0, t, H, 128, 128] array unless
-    intermediate_states)."""
+    intermediate_states). numerics="fp32": the fp32 mode's kernel (inverse "stable" only, no
+    intermediate states)."""
     if q.ndim != 4:
         raise ValueError(f"q: expected [N, t, Hk, 128], got shape {tuple(q.shape)}")
     num_seqs, tokens, qk_heads = q.shape[:3]
@@ -359,13 +364,18 @@ def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale,
     if inverse not in contract.INVERSE_IDS:
         raise ValueError(
             f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
+    if numerics not in _DECODE_TARGETS:
+        raise ValueError(f"numerics: expected one of {sorted(_DECODE_TARGETS)}, got {numerics!r}")
+    if numerics == "fp32" and (intermediate_states or inverse != "stable"):
+        raise ValueError("numerics='fp32': the fused decode has no intermediate states and the "
+                         "one inverse 'stable'")
     states = (num_seqs if intermediate_states else 0, tokens, heads, HEAD_DIM, HEAD_DIM)
     results = (
         jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
         jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         jax.ShapeDtypeStruct(states, pool.dtype),
     )
-    call = jax.ffi.ffi_call(contract.DECODE_TARGET, results, input_output_aliases={8: 1})
+    call = jax.ffi.ffi_call(_DECODE_TARGETS[numerics], results, input_output_aliases={8: 1})
     return call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, scale=np.float32(scale),
                 lower_bound=np.float32(lower_bound),
                 inverse=np.int32(contract.INVERSE_IDS[inverse]),

@@ -75,7 +75,7 @@ STATE_DTYPE_IDS = {"bf16": 0, "f32": 1}  # state pools and checkpoints (chosen b
 MAX_DECODE_TOKENS = CHUNK  # the decode kernel runs one chunk: up to 16 tokens per sequence
 
 # ---- targets and architectures ------------------------------------------------------------------
-ABI_VERSION = 8  # bumped whenever docs/kernel_abi.md changes incompatibly
+ABI_VERSION = 9  # bumped whenever docs/kernel_abi.md changes incompatibly
 PREPARE_TARGET = "jax_kda_prepare_v1"
 RECURRENCE_TARGET = "jax_kda_recurrence_v1"
 # The recurrence on a state pool (state_indices, bf16 or f32 rows updated in place), with
@@ -87,6 +87,9 @@ PREPARE_FP32_TARGET = "jax_kda_prepare_fp32_v1"
 RECURRENCE_FP32_TARGET = "jax_kda_recurrence_fp32_v1"
 # ... and its recurrence on a state pool: RECURRENCE_POOL_TARGET's operands with fp32 records.
 RECURRENCE_FP32_POOL_TARGET = "jax_kda_recurrence_fp32_pool_v1"
+# ... and its fused decode: DECODE_TARGET's operands and attributes (inverse "stable", no
+# intermediate states)
+DECODE_FP32_TARGET = "jax_kda_decode_fp32_v1"
 # The backward pass's serial chains, both in one custom call: a chunked f32 state recurrence
 # (jax_kda/kernels/state_chain.py) with R rows per chunk, the forward state recompute (chunks first
 # to last) and the reverse state-gradient chain (chunks last to first).
@@ -95,7 +98,7 @@ FORWARD_CHAIN_ROWS = 16
 REVERSE_CHAIN_ROWS = 32
 CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET,
                        PREPARE_FP32_TARGET, RECURRENCE_FP32_TARGET, RECURRENCE_FP32_POOL_TARGET,
-                       STATE_CHAIN_TARGET)
+                       DECODE_FP32_TARGET, STATE_CHAIN_TARGET)
 # CuTe DSL target -> (major, minor) compute capability it runs on. The "a" targets are not
 # forward compatible: sm_90a runs on 9.0 only, sm_100a on 10.0 only.
 ARCHS = {"sm_90a": (9, 0), "sm_100a": (10, 0)}

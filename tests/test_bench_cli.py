@@ -559,17 +559,18 @@ def test_unknown_numerics_fails_naming_the_option():
     assert done.returncode != 0 and "--numerics" in done.stderr and "fp16" in done.stderr
 
 
-def test_numerics_modes_make_variants_per_mode_and_keep_decode_in_flashkda():
+def test_numerics_modes_make_variants_per_mode_for_prefill_and_decode():
     from jax_kda.bench import cli
 
     args = cli._parser().parse_args(["--numerics", "fp32,flashkda", "--variants",
                                      "total,reference,decode", "--total-block-v", "auto"])
     variants = cli._variants(args, True)
     assert [(v.name, v.numerics) for v in variants] == [
-        ("total:fp32:bv=auto", "fp32"), ("reference:fp32", "fp32"),
+        ("total:fp32:bv=auto", "fp32"), ("reference:fp32", "fp32"), ("decode:fp32", "fp32"),
         ("total:bv=auto", "flashkda"), ("reference", "flashkda"), ("decode", "flashkda")]
     decode, prefill = cases.DecodeCase(2, 1), cases.Case((16,), 1)
-    assert [v.name for v in variants if cli._applies(v, decode)] == ["reference", "decode"]
+    assert [v.name for v in variants if cli._applies(v, decode)] == [
+        "reference:fp32", "decode:fp32", "reference", "decode"]
     assert [v.name for v in variants if cli._applies(v, prefill)] == [
         "total:fp32:bv=auto", "reference:fp32", "total:bv=auto", "reference"]
 

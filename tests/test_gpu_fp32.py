@@ -14,7 +14,9 @@ kernel vs the float64 oracle, pools and decode.
   regimes of docs/fp32_mode.md, and at least 1.5x (out) / 1.8x (state) below the default mode's
   error.
 - decode: with output_intermediate_states, state i is bitwise the kernel prefill's final state on
-  the first i + 1 tokens (bf16 and f32 pools, a padding slot).
+  the first i + 1 tokens (bf16 and f32 pools, a padding slot). The fused fp32 decode kernel: out
+  and the pool rows bitwise the prefill kernels' (t = 1 .. 16, gate regimes with slow-decay and
+  never-forgetting channels, grouped heads), padding slots and rows not indexed as they must be.
 The measured figures are printed (pytest -s).
 """
 
@@ -195,6 +197,45 @@ def test_pool_and_decode_are_the_prefill_on_the_rows():
         assert not np.asarray(o[1].astype(jnp.float32)).any()
         for row in (1, 2, 3):
             np.testing.assert_array_equal(bits(p[row]), bits(pool[row]))
+
+
+@pytest.mark.parametrize("t,regime,grouped", [(1, "fla", False), (5, "keep32", False),
+                                              (16, "slow", False), (3, "fla", True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_decode_kernel_is_the_prefill_bitwise(t, regime, grouped, dtype):
+    """The fp32 mode's fused decode kernel (custom call jax_kda_decode_fp32_v1) on a pool with a
+    padding slot and rows in random order: out and every indexed row bitwise the fp32 prefill
+    kernels' on the same tokens from the row's state; the padding slot's out +0, the rows not
+    indexed untouched; run to run the same bits."""
+    rng = np.random.default_rng()
+    N, H, P = 5, 4, 9
+    a = make_inputs(rng, N, t, H, regime=regime)
+    if grouped:  # q and k on H / 2 heads
+        qk = make_inputs(rng, N, t, H // 2, regime=regime)
+        a["q"], a["k"] = qk["q"], qk["k"]
+    pool = random_states(rng, P, H, dtype)
+    idx = jnp.asarray(rng.permutation(P)[:N], jnp.int32).at[2].set(-1)
+    fused = jax.jit(lambda a, p: _ffi.decode_call(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], idx, p,
+        scale=SCALE, lower_bound=LOWER, inverse="stable", intermediate_states=False,
+        numerics="fp32")[:2])
+    out, new_pool = fused(a, pool)
+    out2, new_pool2 = fused(a, pool)
+    np.testing.assert_array_equal(bits(out), bits(out2))
+    np.testing.assert_array_equal(bits(new_pool), bits(new_pool2))
+    rows = pool[jnp.maximum(idx, 0)]
+    want_out, want_final = prefill("kernel")(a, {"initial_state": rows})
+    indexed = set(np.asarray(idx).tolist())
+    for n, row in enumerate(np.asarray(idx).tolist()):
+        if row < 0:
+            assert not np.asarray(out[n].astype(jnp.float32)).any()
+            continue
+        np.testing.assert_array_equal(bits(out[n]), bits(want_out[n]))
+        np.testing.assert_array_equal(bits(new_pool[row]),
+                                      bits(want_final[n].astype(dtype)))
+    for row in range(P):
+        if row not in indexed:
+            np.testing.assert_array_equal(bits(new_pool[row]), bits(pool[row]))
 
 
 @pytest.mark.parametrize("t", [1, 3, 16])

@@ -1,6 +1,6 @@
 """CPU checks of the fused decode kernel (jax_kda/kernels/decode.py).
 
-1. The chunk step, run as the kernel's own trace-time helpers (_lane_token_operands,
+1. The chunk step, run as the kernel's own trace-time helpers (lane_token_operands,
    _p_oq_u_out, _intermediate_state, _final_state and recurrence.copy_tile_rows_out) on
    kernel_sim.SimtValues: one Python thread per GPU thread, real warp collectives (ldmatrix,
    stmatrix, movmatrix, mma.m16n8k16 with the PTX ISA fragment layouts written out in
@@ -128,8 +128,8 @@ def test_chunk_step_on_the_simt_emulator_is_the_matrix_math(t, state_dtype, inte
     states_n = STATES + (n * T * H + head) * 128 * 128 * esz
 
     def body(tid):
-        ln = dec._Lane(tid % 32, (tid // 32) * dec.WARP_COLS)
-        io = dec._lane_token_operands(
+        ln = dec.Lane(tid % 32, (tid // 32) * dec.WARP_COLS)
+        io = dec.lane_token_operands(
             ln, _FakeTensor(V_BASE), _FakeTensor(BETA_BASE), _FakeTensor(OUT_BASE),
             tok_base, row_bytes, n, T, H, head, t,
         )
@@ -223,11 +223,11 @@ def test_per_token_row_masks_are_the_b_operand_rows():
 
 
 def test_lane_terms_equal_the_reference_index_maps():
-    """decode._Lane's bit-operation forms equal recurrence_common's maps for every lane, and the
+    """decode.Lane's bit-operation forms equal recurrence_common's maps for every lane, and the
     copy-in / copy-out address forms equal state_copy_unit + state_smem_offset."""
     for col_w in range(0, 128, dec.WARP_COLS):
         for lane in range(32):
-            ln = dec._Lane(lane, col_w)
+            ln = dec.Lane(lane, col_w)
             assert ln.small_off == rec.ldmatrix_small_offset(lane)
             assert (ln.g, 2 * ln.t4) == (rec.acc_row(lane, 0), rec.acc_col(lane))
             for k in range(8):

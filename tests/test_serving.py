@@ -760,6 +760,43 @@ def test_decode_lowers_to_one_aliased_decode_call(kernel_lowering, dtype, invers
     assert len(pool_args) == 1 and "tf.aliasing_output = 1" in pool_args[0]
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_fp32_decode_call_lowers_to_its_own_target(dtype):
+    """_ffi.decode_call(numerics="fp32"): one jax_kda_decode_fp32_v1 call with the decode call's
+    operands, aliasing and attributes (inverse 0, intermediate 0); what that kernel cannot do
+    (intermediate states, the Neumann inverse) fails naming the argument."""
+    from jax_kda import _ffi
+    from jax_kda.contract import DECODE_FP32_TARGET
+
+    S = jax.ShapeDtypeStruct
+    N, t, P = 3, 5, 8
+    a = _avals(N, t)
+    pool_t = _tensor((P, H, 128, 128), dtype)
+
+    def fused(q, k, v, g, beta, A_log, dt_bias, idx, pool, **kw):
+        return _ffi.decode_call(q, k, v, g, beta, A_log, dt_bias, idx, pool, scale=0.25,
+                                lower_bound=-3.0, numerics="fp32", **kw)
+
+    args = (*(a[x] for x in DATA), a["A_log"], a["dt_bias"], S((N,), I32),
+            S((P, H, 128, 128), dtype))
+    text = jax.jit(partial(fused, inverse="stable", intermediate_states=False)).trace(
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = _kda_calls(text)
+    assert set(calls) == {DECODE_FP32_TARGET}
+    ins, outs, aliases, config = calls[DECODE_FP32_TARGET]
+    assert ins[-1] == pool_t and outs == [_tensor((N, t, H, 128), BF16), pool_t,
+                                          _tensor((0, t, H, 128, 128), dtype)]
+    assert aliases == {(1, 8)}
+    assert _attr(config, "inverse") == "0 : i32" and _attr(config, "intermediate") == "0 : i32"
+    for kw in ({"inverse": "neumann", "intermediate_states": False},
+               {"inverse": "stable", "intermediate_states": True}):
+        with pytest.raises(ValueError, match="numerics='fp32'"):
+            jax.jit(partial(fused, **kw)).trace(*args)
+    with pytest.raises(ValueError, match="numerics"):
+        _ffi.decode_call(*args, scale=0.25, lower_bound=-3.0, inverse="stable",
+                         intermediate_states=False, numerics="fp16")
+
+
 def test_decode_with_per_sequence_states_uses_identity_rows(kernel_lowering):
     S = jax.ShapeDtypeStruct
     N, t = 4, 2

@@ -24,6 +24,7 @@ ARCHS_ENV = "JAX_KDA_ARCHS"  # e.g. "sm_90a" to build one architecture only (fas
 class Spec:
     # module in jax_kda/kernels: "prepare" | "recurrence" | "recurrence_baseline" | "decode" |
     # "prepare_fp32" | "recurrence_fp32" (the fp32 numerics mode's prefill kernels) |
+    # "decode_fp32" (its fused decode) |
     # "state_chain" (the backward pass's serial chains)
     kernel: str
     # inverse name (prepare, decode), block_v (recurrence), None (baseline, state_chain)
@@ -33,14 +34,15 @@ class Spec:
     # prefill kernels
     state_dtype: str | None = None
     intermediate: bool = False  # decode: also writes the state after every token
-    # prepare, prepare_fp32, decode: q and k on fewer heads than the value heads (grouped value
+    # prepare, prepare_fp32, decode, decode_fp32: q and k on fewer heads than the value heads (grouped value
     # heads; value head h reads query/key head h // (H // Hk))
     grouped: bool = False
 
     @property
     def call(self) -> str:
         """The custom call that launches it: "prepare", "recurrence", "recurrence_pool",
-        "decode", "prepare_fp32", "recurrence_fp32", "recurrence_fp32_pool" or "state_chain"
+        "decode", "prepare_fp32", "recurrence_fp32", "recurrence_fp32_pool", "decode_fp32" or
+        "state_chain"
         (docs/kernel_abi.md)."""
         if self.kernel == "recurrence" and self.state_dtype is not None:
             return "recurrence_pool"
@@ -60,6 +62,7 @@ class Spec:
                     "intermediate": self.intermediate, "grouped": self.grouped}
         return {"prepare": {"inverse": self.variant, "grouped": self.grouped},
                 "prepare_fp32": {"grouped": self.grouped},
+                "decode_fp32": {"state_dtype": self.state_dtype, "grouped": self.grouped},
                 "recurrence": {"block_v": self.variant},
                 "recurrence_fp32": {"block_v": self.variant}}.get(self.kernel, {})
 
@@ -68,7 +71,7 @@ class Spec:
         """The attribute value the custom call carries for this variant (inverse or block_v)."""
         if self.kernel in ("prepare", "decode"):
             return contract.INVERSE_IDS[self.variant]
-        if self.kernel == "prepare_fp32":  # one inverse, the custom call's `inverse` = stable
+        if self.kernel in ("prepare_fp32", "decode_fp32"):  # one inverse: `inverse` = stable
             return contract.INVERSE_IDS["stable"]
         if self.kernel == "recurrence_baseline":
             return contract.BASELINE_BLOCK_V
@@ -98,6 +101,8 @@ class Spec:
         if self.kernel == "decode":
             states = "_states" if self.intermediate else ""
             return f"jax_kda_decode_{self.variant}_{self.state_dtype}{states}_{arch}"
+        if self.kernel == "decode_fp32":
+            return f"jax_kda_decode_fp32_{self.state_dtype}_{arch}"
         tags = {"prepare": f"_{self.variant}", "recurrence": f"_bv{self.variant}",
                 "recurrence_fp32": f"_bv{self.variant}"}
         return f"jax_kda_{self.kernel}{tags.get(self.kernel, '')}_{arch}"
@@ -133,6 +138,8 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
         specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs += [Spec("recurrence_fp32", bv, arch, state_dtype=dt)
                   for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]
+        specs += [Spec("decode_fp32", None, arch, state_dtype=dt, grouped=grouped)
+                  for grouped in (False, True) for dt in contract.STATE_DTYPE_IDS]
         specs.append(Spec("state_chain", None, arch))
     return specs
 

@@ -215,9 +215,7 @@ def _variants(args, kernels_ok: bool, cases=()) -> list[Variant]:
         raise ValueError(f"--variants: unknown {unknown}; choose from {known}")
     out: list[Variant] = []
     for numerics in _parse_numerics(args.numerics):  # each mode's variants in turn
-        # the decode kinds exist in the flashkda mode only (decode_variants)
-        out += [v for kind in kinds if kind in KINDS or numerics == FLASHKDA
-                for v in _kind_variants(kind, args, numerics)]
+        out += [v for kind in kinds for v in _kind_variants(kind, args, numerics)]
     out += [Variant(name) for name in dict.fromkeys(args.compare)]
     return list(dict.fromkeys(out))
 
@@ -261,9 +259,7 @@ def _slug(text: str) -> str:
 def _applies(variant: Variant, case) -> bool:
     """Whether a (case, variant) pair is timed: the prefill kinds on prefill cases, the decode
     kinds on decode cases; reference and the peers on both (a peer without a decode path records
-    why it was skipped), except that decode cases time the flashkda mode only."""
-    if variant.numerics != FLASHKDA and case.kind == "decode":
-        return False
+    why it was skipped), in every numerics mode asked for."""
     if variant.kind in PREFILL_KINDS:
         return case.kind == "prefill"
     if variant.kind in decode_variants.KINDS:

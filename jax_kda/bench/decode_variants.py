@@ -1,9 +1,10 @@
 """The decode variants a benchmark can time on a DecodeCase, how they are timed, and the report of
 achieved state bandwidth against the copy-rate floor.
 
-Variants (each one decode step of N sequences x t tokens on a pool of P state rows):
-  decode          jax_kda.kda_decode(state=pool, state_indices=, backend="kernel"): the fused
-                  decode kernel, one launch per step.
+Variants (each one decode step of N sequences x t tokens on a pool of P state rows, in the
+variant's numerics mode):
+  decode          jax_kda.kda_decode(state=pool, state_indices=, backend="kernel"): what a decode
+                  step runs in that mode (flashkda: the fused decode kernel, one launch).
   decode_prefill  the same step through kda_prefill(initial_state=pool, state_indices=,
                   output_final_state=True, backend="kernel"): the prepare and the pool
                   recurrence kernels. Same bits as `decode`; for comparison.
@@ -46,29 +47,29 @@ def decode_kernels_status() -> tuple[bool, str]:
     return True, ""
 
 
-def _options(inverse: str) -> dict:
-    return {"scale": 128**-0.5, "lower_bound": -5.0, "inverse": inverse}
+def _options(inverse: str, numerics: str) -> dict:
+    return {"scale": 128**-0.5, "lower_bound": -5.0, "inverse": inverse, "numerics": numerics}
 
 
-def decode_step(backend: str, inverse: str = "stable"):
+def decode_step(backend: str, inverse: str = "stable", numerics: str = "flashkda"):
     """fn(q, k, v, g, beta, A_log, dt_bias, pool, idx) -> (out, pool): one kda_decode step."""
     from .. import kda_decode
 
     def step(q, k, v, g, beta, A_log, dt_bias, pool, idx):
         return kda_decode(q, k, v, g, beta, A_log, dt_bias, state=pool, state_indices=idx,
-                          backend=backend, **_options(inverse))
+                          backend=backend, **_options(inverse, numerics))
 
     return step
 
 
-def prefill_step(backend: str, inverse: str = "stable"):
+def prefill_step(backend: str, inverse: str = "stable", numerics: str = "flashkda"):
     """The same step through kda_prefill on the pool (B = N sequences of T = t tokens)."""
     from .. import kda_prefill
 
     def step(q, k, v, g, beta, A_log, dt_bias, pool, idx):
         return kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state=pool,
                            state_indices=idx, output_final_state=True, backend=backend,
-                           **_options(inverse))
+                           **_options(inverse, numerics))
 
     return step
 
@@ -105,18 +106,19 @@ def build(variant: Variant, case: DecodeCase, x: dict, *, inverse: str):
     own, which timing donates."""
     import jax.numpy as jnp
 
+    mode = variant.numerics
     if variant.kind == "reference":
-        fn, feedback = decode_step("reference", inverse), _reference_feedback
+        fn, feedback = decode_step("reference", inverse, mode), _reference_feedback
     elif variant.kind == "decode":
         ok, why = decode_kernels_status()
         if not ok:
             raise VariantUnavailable(why)
-        fn, feedback = decode_step("kernel", inverse), _pool_feedback
+        fn, feedback = decode_step("kernel", inverse, mode), _pool_feedback
     elif variant.kind == "decode_prefill":
         ok, why = kernels_status()
         if not ok:
             raise VariantUnavailable(why)
-        fn, feedback = prefill_step("kernel", inverse), _prefill_feedback
+        fn, feedback = prefill_step("kernel", inverse, mode), _prefill_feedback
     else:
         raise ValueError(f"unknown decode variant kind {variant.kind!r}")
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],

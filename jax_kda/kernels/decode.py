@@ -87,7 +87,7 @@ Order of work in a CTA (t >= 1):
      k-tile by k-tile in place (ldmatrix.trans old, W = kr^T . U, fma, stmatrix.trans new),
      bar.warp.sync, and the warp's 32 rows go out with coalesced 16-byte stores (f32: widened)
      to the pool row (and states[n, t-1]).
-Index arithmetic of the step: bit operations on the lane id once (_Lane), immediates after
+Index arithmetic of the step: bit operations on the lane id once (Lane), immediates after
 (the SASS of the step is ~750 instructions per warp, ~650 of them MMA / ldmatrix / the state
 update's widen-fma-pack that the numerics fix).
 
@@ -306,12 +306,12 @@ class KdaDecode:
             # prepare A0 and the step's token operands: none depends on the pool row, so they are
             # all in flight with its load; prepare A waits for them (by then the row is known)
             rec = self.prep.record_inputs(
-                _DecodeRows(n, head, mBeta, qk_head), mQ, mK, mG, mALog, mDtBias, head, n_valid,
+                DecodeRows(n, head, mBeta, qk_head), mQ, mK, mG, mALog, mDtBias, head, n_valid,
                 tid,
                 smem_base=region,
             )
-            ln = _Lane(lane, warp_idx * WARP_COLS)
-            io = _lane_token_operands(
+            ln = Lane(lane, warp_idx * WARP_COLS)
+            io = lane_token_operands(
                 ln, mV, mBeta, mOut, tok_base, row_bytes, n, t, num_heads, head, n_valid
             )
             # the pool row, loaded after the token loads in program order (ptxas places its
@@ -467,7 +467,7 @@ class KdaDecodeStates(KdaDecode):
 # ----------------------------------------------------------------------------------------------
 # Plain trace-time pieces (no dynamic control flow), also run by the CPU tests on kernel_sim.Simt
 # ----------------------------------------------------------------------------------------------
-class _DecodeRows:
+class DecodeRows:
     """Chunk rows of the decode kernel for KdaPrepare.record_inputs: token r of sequence n; q and
     k rows of query/key head `qk_head` (grouped value heads), the value head itself by default."""
 
@@ -565,7 +565,7 @@ def _store_state_f32_half(tid, tile, vals, which):
         )
 
 
-class _Lane:
+class Lane:
     """This lane's constant index terms (bit operations on the lane id, computed once): the
     m16n8k16 fragment coordinates g = lane >> 2, t4 = lane & 3 (acc_row = g + 8 half, acc_col =
     2 t4), and the row bases and swizzle terms of its ldmatrix / stmatrix addresses. With
@@ -600,12 +600,12 @@ class _Lane:
         return self.frag_row + 4096 * pair + ((2 * mt) ^ self.frag_x) * 16
 
 
-def _lane_token_operands(
-    ln, mV, mBeta, mOut, tok_base, row_bytes, n, t, num_heads, head, n_valid
+def lane_token_operands(
+    ln, mV, mBeta, mOut, tok_base, row_bytes, n, t, num_heads, head, n_valid, n_tiles=N_TILES
 ):
     """The token operands lane `ln` needs in the chunk step, loaded early: v pairs (rows g,
-    g + 8, columns col_w + 8 nt + 2 t4, +1) and the raw beta logits of those rows (rows >= t:
-    not read, 0), the row masks and the out addresses."""
+    g + 8, columns col_w + 8 nt + 2 t4, +1 for its n_tiles n-tiles) and the raw beta logits of
+    those rows (rows >= t: not read, 0), the row masks and the out addresses."""
     rows = [ln.g, ln.g + 8]
     row8 = row_bytes * 8
     col_off = Int64(ln.col_w + 2 * ln.t4) * 2
@@ -616,7 +616,7 @@ def _lane_token_operands(
             ptx.ld_global_b32_if(v_lane + (row8 if half else 0) + 16 * nt, rows[half], n_valid)
             for half in range(2)
         ]
-        for nt in range(N_TILES)
+        for nt in range(n_tiles)
     ]
     beta_row = Int64(num_heads) * 2
     beta_lane = (
@@ -631,7 +631,7 @@ def _lane_token_operands(
     row_mask = [ptx.select_lt(rows[half], n_valid, Int32(-1), Int32(0)) for half in range(2)]
     out_addr = [
         [out_lane + (row8 if half else 0) + 16 * nt for half in range(2)]
-        for nt in range(N_TILES)
+        for nt in range(n_tiles)
     ]
     return _Bag(v_in=v_in, beta_bits=beta_bits, row_mask=row_mask, out_addr=out_addr, rows=rows)
 

@@ -90,6 +90,7 @@ from .ptx import (
     fsub,
     gate_scale_from_lower_bound,
     ld_shared_b32,
+    named_barrier_sync,
     pack_bf16x2,
     pack_bf16x2_i32,
     rsqrt_approx,
@@ -98,6 +99,7 @@ from .ptx import (
     st_global_b32,
     st_global_v4,
     st_shared_b32,
+    st_shared_v4,
 )
 
 D = wl.D
@@ -146,6 +148,7 @@ SMEM_PLAN = {
 # Dynamic shared memory per CTA: the allocations of KdaPrepareFp32._shared_memory (operand tiles,
 # row norms, b; each 16-byte aligned, so they end where SMEM_PLAN's last entry ends).
 SMEM_BYTES = max(off + size for off, size, *_ in SMEM_PLAN.values())
+PREPARE_BARRIER = 1  # fused: the named barrier id of the phases' 128 threads
 CTAS_PER_SM = 7  # 7 x (25,280 + 1 KB reserved) <= 228 KB, 7 x 128 x 72 registers
 
 
@@ -154,8 +157,12 @@ class KdaPrepareFp32:
     [T_total, Hk, 128] for grouped value heads (value head h reads query/key head
     h // (H // Hk)), a specialisation of its own."""
 
-    def __init__(self, grouped: bool = False):
+    def __init__(self, grouped: bool = False, fused: bool = False):
         self.grouped = grouped
+        # fused: the phases run as warps 0-3 of a larger CTA (decode_fp32.py), which gives the
+        # shared memory, and the record goes to shared memory; their CTA barriers become the
+        # named barrier PREPARE_BARRIER of those 128 threads
+        self.fused = fused
 
     @cute.jit
     def __call__(
@@ -220,39 +227,71 @@ class KdaPrepareFp32:
         if cutlass.const_expr(self.grouped):
             qk_head = qk_head_of(head, mWorkspace.shape[0], mQ.shape[1])
         if active:
-            rows = PackedRows(row0, head, mBeta, qk_head)
+            self.build_record(PackedRows(row0, head, mBeta, qk_head), mQ, mK, mG, mALog,
+                              mDtBias, head, n_valid, lambda: mWorkspace[head, slot, None], None,
+                              scale, lower_bound, tid, warp_idx, lane)
 
-            # ---- A0. every global load first
-            raw = self._load_rows(rows, mQ, mK, mG, n_valid, tid)
-            beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
-            pair = 2 * (tid % 64)  # phase B's column pair
-            dt = (mDtBias[head, pair], mDtBias[head, pair + 1])
-            a_log = mALog[head]
-            sm = self._shared_memory()
-            g_rec = mWorkspace[head, slot, None]
-            gm = _global_record(g_rec)
+    @cute.jit
+    def build_record(
+        self, rows, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mALog: cute.Tensor,
+        mDtBias: cute.Tensor, head: Int32, n_valid: Int32, record, smem_base,
+        scale: Float32, lower_bound: Float32, tid: Int32, warp_idx: Int32, lane: Int32,
+    ):
+        """Phases A-C for the chunk rows `rows` (n_valid of them valid) of value head `head`,
+        run by threads 0-127: the record to record() (a byte tensor of 23,040 bytes, made after
+        the loads are issued; global memory, or shared with fused=True), the operand tiles at
+        smem_base (fused; else allocated here). On return only
+        warps 0 and 1 may still be storing their phase C fields (no barrier after phase C)."""
+        # ---- A0. every global load first
+        raw = self._load_rows(rows, mQ, mK, mG, n_valid, tid)
+        beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
+        pair = 2 * (tid % 64)  # phase B's column pair
+        dt = (mDtBias[head, pair], mDtBias[head, pair + 1])
+        a_log = mALog[head]
+        sm = self._shared_memory(smem_base)
+        g_rec = record()
+        gm = _global_record(g_rec)
 
-            # ---- A. row norms, raw rows and b to shared memory
-            self._stage_rows(raw, sm, n_valid, tid)
-            s_b = sm.b
-            if tid < CHUNK:
-                b = sigmoid_exp2(bf16_to_f32(beta_raw))
-                if tid >= n_valid:
-                    b = Float32(0.0)
-                s_b[tid] = b
+        # ---- A. row norms, raw rows and b to shared memory
+        self._stage_rows(raw, sm, n_valid, tid)
+        s_b = sm.b
+        if tid < CHUNK:
+            b = sigmoid_exp2(bf16_to_f32(beta_raw))
+            if tid >= n_valid:
+                b = Float32(0.0)
+            s_b[tid] = b
+        self._barrier()
+
+        # ---- B. thread = column pair on half the rows: gates, decays, splits; the record's
+        # kd_hi .. gt straight to the record, the operand tiles to shared memory
+        self._column_pairs(sm, g_rec, gm, tid // 64, pair, a_log, dt[0], dt[1], n_valid,
+                           scale, lower_bound)
+        self._barrier()
+
+        # ---- C. warp 0: L and INV, warp 1: Mqk (each stores its own fields); warps 2-3 done
+        if warp_idx == 0:
+            self._inverse(sm, g_rec, lane)
+        if warp_idx == 1:
+            self._mqk(sm, gm, lane)
+
+    def _barrier(self):
+        """The CTA barrier of the phases (fused: the named barrier of threads 0-127)."""
+        if self.fused:
+            named_barrier_sync(Int32(PREPARE_BARRIER), NUM_THREADS)
+        else:
             cute.arch.sync_threads()
 
-            # ---- B. thread = column pair on half the rows: gates, decays, splits; the record's
-            # kd_hi .. gt straight to global memory, the operand tiles to shared memory
-            self._column_pairs(sm, g_rec, gm, tid // 64, pair, a_log, dt[0], dt[1], n_valid,
-                               scale, lower_bound)
-            cute.arch.sync_threads()
-
-            # ---- C. warp 0: L and INV, warp 1: Mqk (each stores its own fields); warps 2-3 done
-            if warp_idx == 0:
-                self._inverse(sm, g_rec, lane)
-            if warp_idx == 1:
-                self._mqk(sm, gm, lane)
+    def _record_store(self, addr, words):
+        """1 or 4 words to the record at byte address `addr` (global, or shared if fused)."""
+        if self.fused:
+            if len(words) == 1:
+                st_shared_b32(addr, words[0])
+            else:
+                st_shared_v4(addr, words)
+        elif len(words) == 1:
+            st_global_b32(addr, words[0])
+        else:
+            st_global_v4(addr, words)
 
     # ------------------------------------------------------------ phases
     @cute.jit
@@ -275,12 +314,16 @@ class KdaPrepareFp32:
                 )
         return raw
 
-    def _shared_memory(self):
+    def _shared_memory(self, base=None):
         """The CTA's shared memory (trace time, SMEM_PLAN): the operand tiles (raw rows aliased on
         the first three during phases A-B; L on kl_hi and the Mqk staging on ql_hi in phase C),
-        the row norms and b."""
+        the row norms and b; allocated here, or carved from `base` (a 128-byte aligned pointer
+        to SMEM_BYTES bytes)."""
         smem = SmemAllocator()
-        s_ops = smem.allocate_array(Uint8, len(OPERANDS) * TILE_BYTES, byte_alignment=128)
+        if base is None:
+            s_ops = smem.allocate_array(Uint8, len(OPERANDS) * TILE_BYTES, byte_alignment=128)
+        else:
+            s_ops = base
         sm = _Smem(ops=s_ops)
         for i, name in enumerate(OPERANDS):
             setattr(sm, name, carve(s_ops, i * TILE_BYTES, BFloat16, swizzled_tile_layout()))
@@ -299,11 +342,15 @@ class KdaPrepareFp32:
         sm.mqk_hi = carve(sm.mqk_stage, 0, BFloat16, row_major(CHUNK, CHUNK))
         sm.mqk_lo = carve(sm.mqk_stage, MQK_TILE_BYTES, BFloat16, row_major(CHUNK, CHUNK))
         # 1 / |x| of each row: [0, r] for q, [1, r] for k
-        sm.rnorm = smem.allocate_tensor(
-            Float32, cute.make_layout((2, CHUNK), stride=(CHUNK, 1)), byte_alignment=16
-        )
-        sm.b = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), byte_alignment=16)
-        sm.g_half = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
+        rnorm_layout = cute.make_layout((2, CHUNK), stride=(CHUNK, 1))
+        if base is None:
+            sm.rnorm = smem.allocate_tensor(Float32, rnorm_layout, byte_alignment=16)
+            sm.b = smem.allocate_tensor(Float32, cute.make_layout(CHUNK), byte_alignment=16)
+            sm.g_half = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
+        else:
+            sm.rnorm = carve(base, SMEM_PLAN["rnorm"][0], Float32, rnorm_layout)
+            sm.b = carve(base, SMEM_PLAN["b"][0], Float32, cute.make_layout(CHUNK))
+            sm.g_half = carve(base, SMEM_PLAN["g_half"][0], Float32, cute.make_layout(D))
         return sm
 
     @cute.jit
@@ -367,14 +414,14 @@ class KdaPrepareFp32:
                 g7[j] = running_sum_of_half(cum, j, Float32(0.0))
                 g_half[c0 + j] = g7[j]
         # every raw row is in registers (the operand tiles may now overwrite them); G_7 handed on
-        cute.arch.sync_threads()
+        self._barrier()
         if half == 1:
             for j in cutlass.range_constexpr(2):
                 g7[j] = g_half[c0 + j]
                 gt[j] = ex2_approx(running_sum_of_half(cum, j, g7[j]))
                 g_half[c0 + j] = gt[j]
                 g_gt[c0 + j] = gt[j]
-        cute.arch.sync_threads()
+        self._barrier()
         if half == 0:
             for j in cutlass.range_constexpr(2):
                 gt[j] = g_half[c0 + j]
@@ -403,7 +450,7 @@ class KdaPrepareFp32:
             off = swizzled_byte_offset(r, c0)
             for name, word in (("kd_hi", kd_hi), ("qd_hi", qd[0]), ("qd_lo", qd[1]),
                                ("kr_hi", kr[0]), ("kr_lo", kr[1])):
-                st_global_b32(rec + (RECORD[name] + off), word)
+                self._record_store(rec + (RECORD[name] + off), [word])
             for name, word in (("kl_hi", kl[0]), ("kl_lo", kl[1]), ("ql_hi", ql[0]),
                                ("ql_lo", ql[1]), ("kil_hi", kil[0]), ("kil_lo", kil[1])):
                 st_shared_b32(ops + (SMEM_PLAN[name][0] + off), word)
@@ -474,14 +521,18 @@ class KdaPrepareFp32:
                     x = lo
                 pair.append(x)
             words[w] = pack_bf16x2_i32(pair[0], pair[1])
-        addr = (
-            g_rec.iterator.toint()
-            + RECORD["inv_hi"]
-            + Int64(lane // CHUNK) * INV_TILE_BYTES
-            + Int64(row) * (CHUNK * 2)
-        )
-        st_global_v4(addr, [words[0], words[1], words[2], words[3]])
-        st_global_v4(addr + 16, [words[4], words[5], words[6], words[7]])
+        if cutlass.const_expr(self.fused):  # a 32-bit shared address
+            addr = (g_rec.iterator.toint() + RECORD["inv_hi"] + (lane // CHUNK) * INV_TILE_BYTES
+                    + row * (CHUNK * 2))
+        else:
+            addr = (
+                g_rec.iterator.toint()
+                + RECORD["inv_hi"]
+                + Int64(lane // CHUNK) * INV_TILE_BYTES
+                + Int64(row) * (CHUNK * 2)
+            )
+        self._record_store(addr, [words[0], words[1], words[2], words[3]])
+        self._record_store(addr + 16, [words[4], words[5], words[6], words[7]])
 
 
 # ------------------------------------------------------------------ helpers

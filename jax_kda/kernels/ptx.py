@@ -649,6 +649,35 @@ def ld_shared_u16(smem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_shared_f32_volatile(smem_addr, *, loc=None, ip=None):
+    """ld.volatile.shared.f32: a re-read ptxas must not merge with an earlier load of the same
+    address (which would keep the first value live in a register, or spilled, in between)."""
+    return _load(
+        Float32,
+        T.f32(),
+        _i32(smem_addr, loc, ip),
+        "ld.volatile.shared.f32 $0, [$1];",
+        "=f,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
+def ld_shared_u16_volatile(smem_addr, *, loc=None, ip=None):
+    """ld_shared_u16 as a volatile load (see ld_shared_f32_volatile)."""
+    return _load(
+        Int32,
+        T.i32(),
+        _i32(smem_addr, loc, ip),
+        "{\n\t.reg .b16 h;\n\tld.volatile.shared.b16 h, [$1];\n\tcvt.u32.u16 $0, h;\n\t}",
+        "=r,r",
+        loc,
+        ip,
+    )
+
+
+@dsl_user_op
 def ld_shared_f32(smem_addr, *, loc=None, ip=None):
     return _load(
         Float32,

@@ -598,13 +598,13 @@ def _chain_operands(cta, stage, row_tok0):
     small_off = ldmatrix_small_offset(lane)
     ints += ptx.ldmatrix_x4(stage + OFF32_INV_HI + small_off)
     ints += ptx.ldmatrix_x4(stage + OFF32_INV_LO + small_off)
-    kr_hi, kr_lo = _krt_operands(stage + cta.kshift, lane, 0)
+    kr_hi, kr_lo = krt_operands(stage + cta.kshift, lane, 0)
     ints += kr_hi + kr_lo
     floats = [
         ptx.sigmoid_exp2(ptx.bf16x2_lo_to_f32(beta_bits(src, stage, row_tok0, acc_row(lane, half))))
         for half in range(2)
     ]
-    floats += _gt_rows(stage + cta.gshift, lane, 0)
+    floats += gt_rows(stage + cta.gshift, lane, 0)
     return ints, floats
 
 
@@ -618,7 +618,7 @@ def _split_chain_operands(ints, n_tiles):
     return v, row_mask, inv, kr0
 
 
-def _krt_operands(stage, lane, mt):
+def krt_operands(stage, lane, mt):
     """(kr_hi^T, kr_lo^T) A fragments of k-tile mt (ldmatrix.trans of the swizzled kr tiles)."""
     off = ldmatrix_krt_offset(lane, mt)
     return (
@@ -627,7 +627,7 @@ def _krt_operands(stage, lane, mt):
     )
 
 
-def _gt_rows(stage, lane, mt):
+def gt_rows(stage, lane, mt):
     """gt[k] of this lane's two accumulator rows of k-tile mt."""
     return [
         ptx.ld_shared_f32(stage + OFF32_GT + (mt * 16 + acc_row(lane, half)) * 4)
@@ -635,13 +635,13 @@ def _gt_rows(stage, lane, mt):
     ]
 
 
-def _mqk_operands(stage, lane):
+def mqk_operands(stage, lane):
     """(Mqk_hi, Mqk_lo) A fragments."""
     off = ldmatrix_small_offset(lane)
     return ptx.ldmatrix_x4(stage + OFF32_MQK_HI + off), ptx.ldmatrix_x4(stage + OFF32_MQK_LO + off)
 
 
-def _p_oq_operands(stage, lane, kb):
+def p_oq_operands(stage, lane, kb):
     """(kd_hi, qd_hi, qd_lo) A fragments of k-block kb."""
     off = ldmatrix_a_offset(lane, kb)
     return (
@@ -838,7 +838,7 @@ def _prologue(cta, ring, state, regs):
             for nt in range(NT):
                 _store_part(regs, nt, *half_sums(chains[nt]))
             chains = _zero_chains(regs, NT)
-        a_ops = _p_oq_operands(ring + cta.kshift, lane, kb)
+        a_ops = p_oq_operands(ring + cta.kshift, lane, kb)
         for nt in range(NT):
             b_hi, b_lo = split_to_b_operands(_state_tile(state, kb, nt, NT))
             chains[nt] = p_oq_step(a_ops, b_hi, b_lo, chains[nt])
@@ -889,11 +889,11 @@ def _chunk_step(cta, ring, state, regs, c):
     a_kr[0] = a_kr0
     gt[0] = [regs.floats[2], regs.floats[3]]
     for mt in range(1, 1 + KR_AHEAD):
-        a_kr[mt] = _krt_operands(cur_k, lane, mt)
-        gt[mt] = _gt_rows(cur_g, lane, mt)
+        a_kr[mt] = krt_operands(cur_k, lane, mt)
+        gt[mt] = gt_rows(cur_g, lane, mt)
     a_next = [None] * KT
     for kb in range(KD_AHEAD):
-        a_next[kb] = _p_oq_operands(nxt_k, lane, kb)
+        a_next[kb] = p_oq_operands(nxt_k, lane, kb)
 
     ub = [u_to_b_operands(p[nt], v_in[nt], b_in, row_mask, a_inv, zero_f) for nt in range(NT)]
     # This warp's key half of Oq(c) (its chains completed long ago) to the exchange slot.
@@ -904,7 +904,7 @@ def _chunk_step(cta, ring, state, regs, c):
     w = [None] * KT
     w[0] = [three_term_product(a_kr[0][0], a_kr[0][1], ub[nt][0], ub[nt][1], zero_f)
             for nt in range(NT)]
-    a_mqk = _mqk_operands(cur, lane)
+    a_mqk = mqk_operands(cur, lane)
     m_acc = [three_term_product(a_mqk[0], a_mqk[1], ub[nt][0], ub[nt][1], zero_f)
              for nt in range(NT)]
 
@@ -915,10 +915,10 @@ def _chunk_step(cta, ring, state, regs, c):
     done = [None] * NT  # k_split 1: half 0's chains of the next chunk, summed at SUM_HALF0_AT
     for mt in range(KT):
         if mt + KD_AHEAD < KT:
-            a_next[mt + KD_AHEAD] = _p_oq_operands(nxt_k, lane, mt + KD_AHEAD)
+            a_next[mt + KD_AHEAD] = p_oq_operands(nxt_k, lane, mt + KD_AHEAD)
         if mt + 1 + KR_AHEAD < KT:
-            a_kr[mt + 1 + KR_AHEAD] = _krt_operands(cur_k, lane, mt + 1 + KR_AHEAD)
-            gt[mt + 1 + KR_AHEAD] = _gt_rows(cur_g, lane, mt + 1 + KR_AHEAD)
+            a_kr[mt + 1 + KR_AHEAD] = krt_operands(cur_k, lane, mt + 1 + KR_AHEAD)
+            gt[mt + 1 + KR_AHEAD] = gt_rows(cur_g, lane, mt + 1 + KR_AHEAD)
         if mt + 1 < KT:
             w[mt + 1] = [
                 three_term_product(a_kr[mt + 1][0], a_kr[mt + 1][1], ub[nt][0], ub[nt][1], zero_f)
