@@ -301,9 +301,10 @@ def test_kda_gradients_split_over_batch_and_heads(axis_type, rng):
 
 def assert_close_gate_gradients(got, want):
     """dg within one bf16 unit in the last place of each element (the f32 values differ in their
-    last bits, then round to bf16; one unit is up to 2**-7 of the value) plus 1e-6 of the largest; dA_log and ddt_bias (f32 sums over
-    the tokens of those per-token values, with cancellation) within 1e-5 of their largest value
-    (seen: up to 1.04e-6 on one CPU, 8 ulps; a misplaced row or head would be off by O(1))."""
+    last bits, then round to bf16; one unit is up to 2**-7 of the value) plus 1e-6 of the
+    largest; dA_log and ddt_bias (f32 sums over the tokens of those per-token values, with
+    cancellation) within 1e-5 of their largest value (seen: up to 1.04e-6 on one CPU, 8 ulps; a
+    misplaced row or head would be off by O(1))."""
     a, b = (np.asarray(x["g"], np.float64) for x in (got, want))
     bound = np.maximum(np.abs(a), np.abs(b)) * 2**-7 + 1e-6 * np.max(np.abs(b))
     assert np.all(np.abs(a - b) <= bound), np.max(np.abs(a - b) - bound)

@@ -34,8 +34,8 @@ class Spec:
     # prefill kernels
     state_dtype: str | None = None
     intermediate: bool = False  # decode: also writes the state after every token
-    # prepare, prepare_fp32, decode, decode_fp32: q and k on fewer heads than the value heads (grouped value
-    # heads; value head h reads query/key head h // (H // Hk))
+    # prepare, prepare_fp32, decode, decode_fp32: q and k on fewer heads than the value heads
+    # (grouped value heads; value head h reads query/key head h // (H // Hk))
     grouped: bool = False
 
     @property
