@@ -71,7 +71,7 @@ std::span<const KernelSpec<RecurrenceArgs>> RecurrenceFp32Specs();
 // ... and its state-pool recurrence: the operands of RecurrencePoolSpecs' kernels.
 std::span<const KernelSpec<RecurrencePoolArgs>> RecurrenceFp32PoolSpecs();
 // ... and its fused decode: the operands of DecodeSpecs' kernels (keyed by DecodeVariant with
-// inverse 0, no intermediate states).
+// inverse 0: the mode has one inverse).
 std::span<const KernelSpec<DecodeArgs>> DecodeFp32Specs();
 // The backward pass's state chains (one specialisation per architecture, variant 0).
 std::span<const KernelSpec<StateChainArgs>> StateChainSpecs();

@@ -8,8 +8,7 @@
 //                               -> out, pool (aliased), states (q, k on Hk heads, the rest on
 //                               H, a multiple: grouped heads)
 //   jax_kda_decode_fp32_v1      the same operands and attributes in the fp32 numerics mode
-//                               (inverse 0 = its one inverse; no intermediate states: the
-//                               states result must be empty)
+//                               (inverse 0: its one inverse)
 // Pools and checkpoints are bf16 or f32: the buffer's dtype picks the specialisation. Stages as
 // in kda_ffi.cc; the instantiate stage sees no buffers, so it loads both dtypes' modules.
 #include <cuda_runtime.h>
@@ -220,15 +219,15 @@ std::string DecodeText(int variant) {  // a DecodeVariant (kernel_registry.h)
 }
 
 // The two modes' decode calls: the same operands and attributes, their own kernels; the fp32
-// mode's have one inverse (0) and no per-token states.
+// mode's have one inverse (0).
 struct FlashKdaDecode {
   static constexpr const char* kCall = "decode";
-  static constexpr bool kIntermediate = true;
+  static constexpr bool kOneInverse = false;
   static std::span<const KernelSpec<DecodeArgs>> Specs() { return DecodeSpecs(); }
 };
 struct Fp32Decode {
   static constexpr const char* kCall = "decode_fp32";
-  static constexpr bool kIntermediate = false;
+  static constexpr bool kOneInverse = true;
   static std::span<const KernelSpec<DecodeArgs>> Specs() { return DecodeFp32Specs(); }
 };
 
@@ -240,8 +239,8 @@ std::string CheckDecodeAttrs(float scale, float lower_bound, int32_t inverse,
   if (intermediate != 0 && intermediate != 1) {
     return std::string(call) + ": attribute intermediate must be 0 or 1";
   }
-  if (!Mode::kIntermediate && (intermediate != 0 || inverse != 0)) {
-    return std::string(call) + ": attributes inverse and intermediate must be 0";
+  if (Mode::kOneInverse && inverse != 0) {
+    return std::string(call) + ": attribute inverse must be 0 (stable)";
   }
   return {};
 }

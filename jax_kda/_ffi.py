@@ -345,8 +345,7 @@ def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale,
     place: aliased). q and k [N, t, Hk, 128], everything else on H heads, a multiple of Hk
     (grouped value heads). Returns (out bf16 [N, t, H, 128], pool, states [N, t, H, 128, 128] in
     the pool's dtype: the state after each token; an empty [0, t, H, 128, 128] array unless
-    intermediate_states). numerics="fp32": the fp32 mode's kernel (inverse "stable" only, no
-    intermediate states)."""
+    intermediate_states). numerics="fp32": the fp32 mode's kernel (inverse "stable" only)."""
     if q.ndim != 4:
         raise ValueError(f"q: expected [N, t, Hk, 128], got shape {tuple(q.shape)}")
     num_seqs, tokens, qk_heads = q.shape[:3]
@@ -366,9 +365,8 @@ def decode_call(q, k, v, g, beta, A_log, dt_bias, state_indices, pool, *, scale,
             f"inverse: expected one of {sorted(contract.INVERSE_IDS)}, got {inverse!r}")
     if numerics not in _DECODE_TARGETS:
         raise ValueError(f"numerics: expected one of {sorted(_DECODE_TARGETS)}, got {numerics!r}")
-    if numerics == "fp32" and (intermediate_states or inverse != "stable"):
-        raise ValueError("numerics='fp32': the fused decode has no intermediate states and the "
-                         "one inverse 'stable'")
+    if numerics == "fp32" and inverse != "stable":
+        raise ValueError(f"inverse: numerics='fp32' has the one inverse 'stable', got {inverse!r}")
     states = (num_seqs if intermediate_states else 0, tokens, heads, HEAD_DIM, HEAD_DIM)
     results = (
         jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),

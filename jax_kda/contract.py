@@ -87,8 +87,7 @@ PREPARE_FP32_TARGET = "jax_kda_prepare_fp32_v1"
 RECURRENCE_FP32_TARGET = "jax_kda_recurrence_fp32_v1"
 # ... and its recurrence on a state pool: RECURRENCE_POOL_TARGET's operands with fp32 records.
 RECURRENCE_FP32_POOL_TARGET = "jax_kda_recurrence_fp32_pool_v1"
-# ... and its fused decode: DECODE_TARGET's operands and attributes (inverse "stable", no
-# intermediate states)
+# ... and its fused decode: DECODE_TARGET's operands and attributes (inverse "stable")
 DECODE_FP32_TARGET = "jax_kda_decode_fp32_v1"
 # The backward pass's serial chains, both in one custom call: a chunked f32 state recurrence
 # (jax_kda/kernels/state_chain.py) with R rows per chunk, the forward state recompute (chunks first

@@ -2,7 +2,7 @@
 sequence, a partial last chunk) at every column split with an f32 initial state, a state pool
 with padding and out-of-range indices (f32 and bf16 pools, with checkpoints at every column
 split: the fp32 pool recurrence), a decode step, and the fused fp32 decode kernel on both pool
-dtypes (t = 3, and t = 16 with grouped q / k heads)."""
+dtypes with and without the intermediate states (t = 3, and t = 16 with grouped q / k heads)."""
 
 import jax
 import jax.numpy as jnp
@@ -51,18 +51,19 @@ result = jax.block_until_ready(jax.jit(lambda s, pool, idx: jax_kda.kda_decode(
 print("fp32 sanitizer serving case ran", result[0].shape)
 
 
-def fused(q, k, rest, pool, idx):
+def fused(q, k, rest, pool, idx, states=False):
     return _ffi.decode_call(q, k, *rest, idx, pool, scale=128**-0.5, lower_bound=-5.0,
-                            inverse="stable", intermediate_states=False, numerics="fp32")
+                            inverse="stable", intermediate_states=states, numerics="fp32")
 
 
 rest = (step["v"], step["g"], step["beta"], args["A_log"], args["dt_bias"])
 for dtype in (jnp.float32, jnp.bfloat16):
-    res = jax.block_until_ready(jax.jit(fused)(step["q"], step["k"], rest, pool.astype(dtype),
-                                               idx))
+    for states in (False, True):
+        res = jax.block_until_ready(jax.jit(fused, static_argnums=5)(
+            step["q"], step["k"], rest, pool.astype(dtype), idx, states))
 long = {name: x[:, :64].reshape((4, 16) + x.shape[2:]) for name, x in args.items()
         if name in ("q", "k", "v", "g", "beta")}
 rest = (long["v"], long["g"], long["beta"], args["A_log"], args["dt_bias"])
-res = jax.block_until_ready(jax.jit(fused)(long["q"][:, :, :1], long["k"][:, :, :1], rest, pool,
-                                           idx))
+res = jax.block_until_ready(jax.jit(fused, static_argnums=5)(
+    long["q"][:, :, :1], long["k"][:, :, :1], rest, pool, idx, True))
 print("fp32 sanitizer fused decode case ran", res[0].shape)

@@ -50,12 +50,13 @@ def test_fp32_mode_kernels_have_their_own_tables(tmp_path):
         + [f"jax_kda_recurrence_fp32_bv{bv}_sm90a" for bv in contract.COLUMN_SPLITS]
         + [f"jax_kda_recurrence_fp32_pool_{dt}_bv{bv}_sm90a" for bv in contract.COLUMN_SPLITS
            for dt in contract.STATE_DTYPE_IDS]
-        + [f"jax_kda_decode_fp32_{dt}{grouped}_sm90a" for dt in contract.STATE_DTYPE_IDS
-           for grouped in ("", "_grouped")])
+        + [f"jax_kda_decode_fp32_{dt}{st}{grouped}_sm90a" for dt in contract.STATE_DTYPE_IDS
+           for st in ("", "_states") for grouped in ("", "_grouped")])
     assert {s.call for s in fp32} == {"prepare_fp32", "recurrence_fp32", "recurrence_fp32_pool",
                                       "decode_fp32"}
     decode = [s for s in fp32 if s.call == "decode_fp32"]
-    assert all(s.options == {"state_dtype": s.state_dtype, "grouped": s.grouped} for s in decode)
+    assert all(s.options == {"state_dtype": s.state_dtype, "intermediate": s.intermediate,
+                             "grouped": s.grouped} for s in decode)
     pool = [s for s in fp32 if s.call == "recurrence_fp32_pool"]
     assert all(s.options == {"block_v": s.variant, "state_dtype": s.state_dtype, "serving": True}
                for s in pool)
@@ -70,8 +71,9 @@ def test_fp32_mode_kernels_have_their_own_tables(tmp_path):
     assert (f"JAX_KDA_RECURRENCE_FP32_POOL(jax_kda_recurrence_fp32_pool_f32_bv16_sm90a, 16, "
             f"{f32_id}, 90)") in lines
     # the decode: keyed by the pool dtype and grouped, like the flashkda decode's table
-    assert f"JAX_KDA_DECODE_FP32(jax_kda_decode_fp32_f32_sm90a, {f32_id}, 0, 90)" in lines
-    assert f"JAX_KDA_DECODE_FP32(jax_kda_decode_fp32_f32_grouped_sm90a, {f32_id}, 1, 90)" in lines
+    assert f"JAX_KDA_DECODE_FP32(jax_kda_decode_fp32_f32_sm90a, {f32_id}, 0, 0, 90)" in lines
+    assert (f"JAX_KDA_DECODE_FP32(jax_kda_decode_fp32_f32_states_grouped_sm90a, {f32_id}, 1, 1, "
+            "90)") in lines
     # and not in the flashkda tables
     assert not any(line.startswith(("JAX_KDA_PREPARE(", "JAX_KDA_RECURRENCE(",
                                     "JAX_KDA_RECURRENCE_POOL(", "JAX_KDA_DECODE("))
@@ -88,12 +90,13 @@ def test_grouped_value_heads_add_specialisations_of_the_kernels_that_read_q_and_
          "jax_kda_prepare_fp32_grouped_sm90a"]
         + [f"jax_kda_decode_{inv}_{dt}{st}_grouped_sm90a" for inv in contract.INVERSE_IDS
            for dt in contract.STATE_DTYPE_IDS for st in ("", "_states")]
-        + [f"jax_kda_decode_fp32_{dt}_grouped_sm90a" for dt in contract.STATE_DTYPE_IDS])
+        + [f"jax_kda_decode_fp32_{dt}{st}_grouped_sm90a" for dt in contract.STATE_DTYPE_IDS
+           for st in ("", "_states")])
     assert {s.kernel for s in grouped} == {"prepare", "prepare_fp32", "decode", "decode_fp32"}
     assert all(s.options["grouped"] for s in grouped)
     plain = {s.prefix for s in chosen if not s.grouped}
-    # 38 prefill and serving specialisations, 1 backward chain kernel (both chains)
-    assert len(plain) == 39 and {s.prefix.replace("_grouped", "") for s in grouped} <= plain
+    # 40 prefill and serving specialisations, 1 backward chain kernel (both chains)
+    assert len(plain) == 41 and {s.prefix.replace("_grouped", "") for s in grouped} <= plain
     build._write_spec_lists(tmp_path, chosen)
     lines = (tmp_path / "kernels_specs.inc").read_text().splitlines()
     assert "JAX_KDA_PREPARE(jax_kda_prepare_stable_grouped_sm90a, 0, 1, 90)" in lines

@@ -205,8 +205,9 @@ def test_pool_and_decode_are_the_prefill_on_the_rows():
 def test_fused_decode_kernel_is_the_prefill_bitwise(t, regime, grouped, dtype):
     """The fp32 mode's fused decode kernel (custom call jax_kda_decode_fp32_v1) on a pool with a
     padding slot and rows in random order: out and every indexed row bitwise the fp32 prefill
-    kernels' on the same tokens from the row's state; the padding slot's out +0, the rows not
-    indexed untouched; run to run the same bits."""
+    kernels' on the same tokens from the row's state, intermediate state i bitwise their final
+    state on tokens 0..i; the padding slot's out and states +0, the rows not indexed untouched;
+    out and the pool the same with and without the intermediate states, and run to run."""
     rng = np.random.default_rng()
     N, H, P = 5, 4, 9
     a = make_inputs(rng, N, t, H, regime=regime)
@@ -215,24 +216,34 @@ def test_fused_decode_kernel_is_the_prefill_bitwise(t, regime, grouped, dtype):
         a["q"], a["k"] = qk["q"], qk["k"]
     pool = random_states(rng, P, H, dtype)
     idx = jnp.asarray(rng.permutation(P)[:N], jnp.int32).at[2].set(-1)
-    fused = jax.jit(lambda a, p: _ffi.decode_call(
+    fused = jax.jit(lambda a, p, states: _ffi.decode_call(
         a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], idx, p,
-        scale=SCALE, lower_bound=LOWER, inverse="stable", intermediate_states=False,
-        numerics="fp32")[:2])
-    out, new_pool = fused(a, pool)
-    out2, new_pool2 = fused(a, pool)
+        scale=SCALE, lower_bound=LOWER, inverse="stable", intermediate_states=states,
+        numerics="fp32"), static_argnums=2)
+    out, new_pool, _ = fused(a, pool, False)
+    out2, new_pool2, states = fused(a, pool, True)
     np.testing.assert_array_equal(bits(out), bits(out2))
     np.testing.assert_array_equal(bits(new_pool), bits(new_pool2))
+    out3, new_pool3, states3 = fused(a, pool, True)
+    for x, y in ((out, out3), (new_pool, new_pool3), (states, states3)):
+        np.testing.assert_array_equal(bits(x), bits(y))
     rows = pool[jnp.maximum(idx, 0)]
     want_out, want_final = prefill("kernel")(a, {"initial_state": rows})
     indexed = set(np.asarray(idx).tolist())
     for n, row in enumerate(np.asarray(idx).tolist()):
         if row < 0:
             assert not np.asarray(out[n].astype(jnp.float32)).any()
+            assert not np.asarray(states[n].astype(jnp.float32)).any()
             continue
         np.testing.assert_array_equal(bits(out[n]), bits(want_out[n]))
         np.testing.assert_array_equal(bits(new_pool[row]),
                                       bits(want_final[n].astype(dtype)))
+        np.testing.assert_array_equal(bits(states[n, t - 1]), bits(new_pool[row]))
+        for i in range(t - 1):
+            part = {k: (x[n:n + 1, :i + 1] if x.ndim >= 3 else x) for k, x in a.items()}
+            _, final = prefill("kernel")(part, {"initial_state": rows[n:n + 1]})
+            np.testing.assert_array_equal(bits(states[n, i]), bits(final[0].astype(dtype)),
+                                          err_msg=f"sequence {n}, state {i}")
     for row in range(P):
         if row not in indexed:
             np.testing.assert_array_equal(bits(new_pool[row]), bits(pool[row]))

@@ -216,7 +216,7 @@ def test_state_copy_in_fills_the_tile(state_dtype, monkeypatch):
 def test_per_token_row_masks_are_the_b_operand_rows():
     """B operand register 0 of lane (g, t) holds chunk rows 2t, 2t+1 (low, high half), register
     1 rows 2t+8, 2t+9 (ptx.py fragment layouts); the kr^T A operand pairs a[0], a[1] / a[2],
-    a[3] hold the same rows; the masks of _intermediate_masks keep exactly rows <= i."""
+    a[3] hold the same rows; the masks of intermediate_masks keep exactly rows <= i."""
     for lane in range(32):
         t = lane % 4
         assert dec.row_masks(lane & 3) == (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)

@@ -223,27 +223,50 @@ class SimtF32(SimtValues):
 def _workspace(rng, n_chunks, n_valid_last):
     """prepare_reference_fp32 on random chunked tokens (gates of the "fla" kind); returns the
     workspace fields as float64 numpy arrays [C, ...], beta logits [C, 16] and the valid rows."""
-    jnp = pytest.importorskip("jax.numpy")
-    from jax_kda import reference_fp32
-
     valid = np.ones((n_chunks, 16), bool)
     valid[-1, n_valid_last:] = False
+    tokens = draw_tokens(rng, n_chunks)
+    ws, fields = records(tokens, valid)
+    return ws, fields, _f64(_bf16(tokens["beta"])), valid
+
+
+def draw_tokens(rng, n_chunks):
+    """Random inputs of n_chunks chunks: q, k, g [C, 16, 128], beta [C, 16], A_log, dt_bias."""
     q, k, g = (rng.standard_normal((n_chunks, 16, 128)).astype(np.float32) for _ in range(3))
     beta = rng.standard_normal((n_chunks, 16)).astype(np.float32)
     A_log = np.log(rng.uniform(1, 16, ())).astype(np.float32)
     dt_bias = rng.standard_normal(128).astype(np.float32)
-    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+    return {"q": q, "k": k, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias}
+
+
+def _bf16(x):
+    jnp = pytest.importorskip("jax.numpy")
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+def _f64(x):
+    jnp = pytest.importorskip("jax.numpy")
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def records(tokens, valid):
+    """(workspace, its fields as float64 numpy arrays [C, ...]) of prepare_reference_fp32 on
+    draw_tokens' inputs with the rows of `valid` [C, 16] valid."""
+    jnp = pytest.importorskip("jax.numpy")
+    from jax_kda import reference_fp32
+
     ws = reference_fp32.prepare_reference_fp32(
-        bf(q), bf(k), bf(g), bf(beta), jnp.asarray(A_log), jnp.asarray(dt_bias),
+        _bf16(tokens["q"]), _bf16(tokens["k"]), _bf16(tokens["g"]), _bf16(tokens["beta"]),
+        jnp.asarray(tokens["A_log"]), jnp.asarray(tokens["dt_bias"]),
         scale=128**-0.5, lower_bound=-5.0, valid=jnp.asarray(valid),
     )
-    f = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     fields = {
-        "kd_hi": f(ws.kd.hi), "qd_hi": f(ws.qd.hi), "qd_lo": f(ws.qd.lo), "kr_hi": f(ws.kr.hi),
-        "kr_lo": f(ws.kr.lo), "gt": f(ws.gt), "inv_hi": f(ws.inv.hi), "inv_lo": f(ws.inv.lo),
-        "mqk_hi": f(ws.mqk.hi), "mqk_lo": f(ws.mqk.lo),
+        "kd_hi": _f64(ws.kd.hi), "qd_hi": _f64(ws.qd.hi), "qd_lo": _f64(ws.qd.lo),
+        "kr_hi": _f64(ws.kr.hi), "kr_lo": _f64(ws.kr.lo), "gt": _f64(ws.gt),
+        "inv_hi": _f64(ws.inv.hi), "inv_lo": _f64(ws.inv.lo), "mqk_hi": _f64(ws.mqk.hi),
+        "mqk_lo": _f64(ws.mqk.lo),
     }
-    return ws, fields, f(bf(beta)), valid
+    return ws, fields
 
 
 def _mma_chain(a_blocks, b_blocks):

@@ -760,11 +760,12 @@ def test_decode_lowers_to_one_aliased_decode_call(kernel_lowering, dtype, invers
     assert len(pool_args) == 1 and "tf.aliasing_output = 1" in pool_args[0]
 
 
+@pytest.mark.parametrize("intermediate", [False, True])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-def test_fp32_decode_call_lowers_to_its_own_target(dtype):
+def test_fp32_decode_call_lowers_to_its_own_target(dtype, intermediate):
     """_ffi.decode_call(numerics="fp32"): one jax_kda_decode_fp32_v1 call with the decode call's
-    operands, aliasing and attributes (inverse 0, intermediate 0); what that kernel cannot do
-    (intermediate states, the Neumann inverse) fails naming the argument."""
+    operands, aliasing and attributes (inverse 0); the Neumann inverse, which the mode does not
+    have, fails naming the argument."""
     from jax_kda import _ffi
     from jax_kda.contract import DECODE_FP32_TARGET
 
@@ -779,19 +780,18 @@ def test_fp32_decode_call_lowers_to_its_own_target(dtype):
 
     args = (*(a[x] for x in DATA), a["A_log"], a["dt_bias"], S((N,), I32),
             S((P, H, 128, 128), dtype))
-    text = jax.jit(partial(fused, inverse="stable", intermediate_states=False)).trace(
+    text = jax.jit(partial(fused, inverse="stable", intermediate_states=intermediate)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     calls = _kda_calls(text)
     assert set(calls) == {DECODE_FP32_TARGET}
     ins, outs, aliases, config = calls[DECODE_FP32_TARGET]
-    assert ins[-1] == pool_t and outs == [_tensor((N, t, H, 128), BF16), pool_t,
-                                          _tensor((0, t, H, 128, 128), dtype)]
+    states = _tensor((N if intermediate else 0, t, H, 128, 128), dtype)
+    assert ins[-1] == pool_t and outs == [_tensor((N, t, H, 128), BF16), pool_t, states]
     assert aliases == {(1, 8)}
-    assert _attr(config, "inverse") == "0 : i32" and _attr(config, "intermediate") == "0 : i32"
-    for kw in ({"inverse": "neumann", "intermediate_states": False},
-               {"inverse": "stable", "intermediate_states": True}):
-        with pytest.raises(ValueError, match="numerics='fp32'"):
-            jax.jit(partial(fused, **kw)).trace(*args)
+    assert _attr(config, "inverse") == "0 : i32"
+    assert _attr(config, "intermediate") == f"{int(intermediate)} : i32"
+    with pytest.raises(ValueError, match="inverse: numerics='fp32'"):
+        jax.jit(partial(fused, inverse="neumann", intermediate_states=intermediate)).trace(*args)
     with pytest.raises(ValueError, match="numerics"):
         _ffi.decode_call(*args, scale=0.25, lower_bound=-3.0, inverse="stable",
                          intermediate_states=False, numerics="fp16")

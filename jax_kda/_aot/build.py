@@ -71,8 +71,8 @@ def _write_spec_lists(out_dir: pathlib.Path, built: list[specs.Spec]) -> None:
             lines.append(f"JAX_KDA_DECODE({s.prefix}, {s.variant_id}, {s.state_dtype_id}, "
                          f"{int(s.intermediate)}, {int(s.grouped)}, {s.sm})")
         elif s.call == "decode_fp32":
-            lines.append(f"JAX_KDA_DECODE_FP32({s.prefix}, {s.state_dtype_id}, {int(s.grouped)}, "
-                         f"{s.sm})")
+            lines.append(f"JAX_KDA_DECODE_FP32({s.prefix}, {s.state_dtype_id}, "
+                         f"{int(s.intermediate)}, {int(s.grouped)}, {s.sm})")
         elif s.call == "state_chain":
             lines.append(f"JAX_KDA_STATE_CHAIN({s.prefix}, {s.variant_id}, {s.sm})")
         elif s.call in ("prepare", "prepare_fp32"):

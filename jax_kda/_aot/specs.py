@@ -33,7 +33,7 @@ class Spec:
     # "bf16" | "f32": a state-pool kernel (the serving recurrence, the decode kernel); None: the
     # prefill kernels
     state_dtype: str | None = None
-    intermediate: bool = False  # decode: also writes the state after every token
+    intermediate: bool = False  # decode, decode_fp32: also writes the state after every token
     # prepare, prepare_fp32, decode, decode_fp32: q and k on fewer heads than the value heads
     # (grouped value heads; value head h reads query/key head h // (H // Hk))
     grouped: bool = False
@@ -62,7 +62,8 @@ class Spec:
                     "intermediate": self.intermediate, "grouped": self.grouped}
         return {"prepare": {"inverse": self.variant, "grouped": self.grouped},
                 "prepare_fp32": {"grouped": self.grouped},
-                "decode_fp32": {"state_dtype": self.state_dtype, "grouped": self.grouped},
+                "decode_fp32": {"state_dtype": self.state_dtype,
+                                "intermediate": self.intermediate, "grouped": self.grouped},
                 "recurrence": {"block_v": self.variant},
                 "recurrence_fp32": {"block_v": self.variant}}.get(self.kernel, {})
 
@@ -102,7 +103,8 @@ class Spec:
             states = "_states" if self.intermediate else ""
             return f"jax_kda_decode_{self.variant}_{self.state_dtype}{states}_{arch}"
         if self.kernel == "decode_fp32":
-            return f"jax_kda_decode_fp32_{self.state_dtype}_{arch}"
+            states = "_states" if self.intermediate else ""
+            return f"jax_kda_decode_fp32_{self.state_dtype}{states}_{arch}"
         tags = {"prepare": f"_{self.variant}", "recurrence": f"_bv{self.variant}",
                 "recurrence_fp32": f"_bv{self.variant}"}
         return f"jax_kda_{self.kernel}{tags.get(self.kernel, '')}_{arch}"
@@ -138,8 +140,10 @@ def all_specs(archs: tuple[str, ...] | None = None) -> list[Spec]:
         specs += [Spec("recurrence_fp32", bv, arch) for bv in contract.COLUMN_SPLITS]
         specs += [Spec("recurrence_fp32", bv, arch, state_dtype=dt)
                   for dt in contract.STATE_DTYPE_IDS for bv in contract.COLUMN_SPLITS]
-        specs += [Spec("decode_fp32", None, arch, state_dtype=dt, grouped=grouped)
-                  for grouped in (False, True) for dt in contract.STATE_DTYPE_IDS]
+        specs += [Spec("decode_fp32", None, arch, state_dtype=dt, intermediate=states,
+                       grouped=grouped)
+                  for grouped in (False, True) for dt in contract.STATE_DTYPE_IDS
+                  for states in (False, True)]
         specs.append(Spec("state_chain", None, arch))
     return specs
 

@@ -682,7 +682,7 @@ def _p_oq_u_out(step):
     return ub
 
 
-def _intermediate_masks(ln, i):
+def intermediate_masks(ln, i):
     """(mask of register 0, mask of register 1): chunk rows <= i kept (module docstring)."""
     r0, r1, r8, r9 = row_masks(ln.t4)
     lim = i + 1
@@ -707,7 +707,7 @@ def _intermediate_state(step, ub, i, s_ki, gt_tab, dst, esz):
     """The state after tokens 0..i (i < t - 1) from the unchanged tile, this warp's columns,
     stored from registers to dst (states[n, i, h])."""
     ln, zero_f = step.ln, step.zero_f
-    m0, m1 = _intermediate_masks(ln, i)
+    m0, m1 = intermediate_masks(ln, i)
     ubi = [(ub[nt][0] & m0, ub[nt][1] & m1) for nt in range(N_TILES)]
     lane_addr = dst + (Int64(ln.col_w + ln.g) * D + Int64(2 * ln.t4)) * esz
     gt_lane = gt_tab + i * (D * 4) + ln.g * 4

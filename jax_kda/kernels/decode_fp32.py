@@ -2,19 +2,22 @@
 recurrence for t <= 16 tokens per sequence, the state read from and written back to a row of a
 state pool, in one launch.
 
-Interface (KdaDecodeFp32(state_dtype, grouped)): the operands of decode.KdaDecode without the
-intermediate states,
+Interface (KdaDecodeFp32(state_dtype, intermediate, grouped)): the operands of decode.KdaDecode,
   __call__(mQ, mK, mV, mG: bf16 [N, t, H, 128], mBeta: bf16 [N, t, H], mALog: f32 [H],
            mDtBias: f32 [H, 128], mStateIndices: i32 [N], mPool: bf16|f32 [P, H, 128, 128],
-           mOut: bf16 [N, t, H, 128], scale: Float32, lower_bound: Float32, stream)
+           mOut: bf16 [N, t, H, 128], [mStates: bf16|f32 [N, t, H, 128, 128] only with
+           intermediate=True], scale: Float32, lower_bound: Float32, stream)
   N, t, H, P dynamic; the handler guarantees 1 <= t <= 16 (the kernel clamps to [0, 16] and does
   nothing for t = 0). mPool is updated in place (aliased input -> output by the handler).
 Per (n, h), row = state_indices[n]:
-  - row outside [0, P): padding slot. No pool access; out rows r < t are +0.
+  - row outside [0, P): padding slot. No pool access; out rows r < t are +0; with intermediate,
+    states[n, 0 .. t-1, h] are +0.
   - otherwise exactly what prepare_fp32 + recurrence_fp32's pool kernel (any block_v) compute on
     the same t tokens as one sequence of length t (rows t..15 zero tokens) with initial state
     pool[row, h] (a bf16 pool widened exactly): out rows r < t bitwise, pool[row, h] <- the final
-    state (f32 as computed; a bf16 pool rounded to nearest even).
+    state (f32 as computed; a bf16 pool rounded to nearest even). With intermediate,
+    states[n, i, h] (i < t) = the final state of those kernels on the first i + 1 tokens;
+    states[n, t-1] = the new pool row.
 
 Bitwise equality comes from running the same device code. The record is built by
 prepare_fp32.KdaPrepareFp32's own phases (build_record with fused=True: the same instructions,
@@ -49,6 +52,19 @@ Per warp after the barrier (valid row):
   3. Per k-tile: W = kr^T . U (three terms), S = fma(S, gt, W) on the tile re-read from shared
      memory, stored to the pool row from registers (f32: eight lanes write 32 contiguous bytes).
 The pool row is read completely before the barrier and written only after it, by this CTA only.
+
+Intermediate states. A prefill on the first i + 1 tokens has zero tokens in rows i+1..15. Its
+record differs from the t-token one in more than gt and kr (as in the bf16 mode, decode.py):
+the prepare decays L's and Mqk's operands relative to row 7's cumulative gate, which a prefix
+shorter than 8 tokens does not share, so INV differs too. So after the step above, for each
+i < t - 1 warps 0-3 rebuild the record in place for n_valid = i + 1 (the same phases: bitwise
+that prefill's record), one CTA barrier before (everyone is done with the old record) and one
+after. What the step computed on rows <= i is that prefill's: kd, qd and b do not depend on the
+length (the gate's running sums G_r, r <= i, add the same values in the same order), so P's and
+u's rows <= i are the same bits (an MMA's output row depends only on its own A row), and that
+prefill's u rows > i are masked to +0. So state i = fma(S, gt', kr'^T . U') with gt', kr', INV'
+of the rebuilt record and U' = INV' . (split(u) with rows > i zeroed: prefix_rows), stored to
+states[n, i] (t - 1 more prepares per CTA; no P, Oq or out again).
 """
 
 from __future__ import annotations
@@ -56,11 +72,12 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, Int32, Int64, Uint8, cute
+from cutlass.cutlass_dsl import Constexpr
 from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .compile_utils import compile_for_arch
-from .decode import DecodeRows, Lane, decode_args, lane_token_operands
+from .decode import DecodeRows, Lane, decode_args, intermediate_masks, lane_token_operands
 from .prepare_common import qk_head_of
 from .prepare_fp32 import NUM_THREADS as PREPARE_THREADS
 from .prepare_fp32 import SMEM_BYTES as PREPARE_SMEM_BYTES
@@ -88,7 +105,7 @@ from .recurrence_fp32 import (
     state_tile_update,
     sum_terms,
     three_term_product,
-    u_to_b_operands,
+    u_values,
 )
 
 NUM_THREADS = 256
@@ -134,13 +151,23 @@ def copy_units(tid, esz):
 
 
 class KdaDecodeFp32:
-    """Host entry + device kernel of the fp32 mode's fused decode (module docstring)."""
+    """Host entry + device kernel of the fp32 mode's fused decode (module docstring).
+    KdaDecodeFp32(state_dtype, intermediate=True) constructs KdaDecodeFp32States, whose __call__
+    also takes mStates."""
 
-    def __init__(self, state_dtype: str = "f32", grouped: bool = False):
+    def __new__(cls, state_dtype: str = "f32", intermediate: bool = False,
+                grouped: bool = False):
+        if intermediate and cls is KdaDecodeFp32:
+            cls = KdaDecodeFp32States
+        return super().__new__(cls)
+
+    def __init__(self, state_dtype: str = "f32", intermediate: bool = False,
+                 grouped: bool = False):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(
                 f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
         self.state_dtype = state_dtype
+        self.intermediate = intermediate
         self.grouped = grouped
         self.esz = STATE_ELEM_BYTES[state_dtype]
         self.record_offset, self.prepare_offset, self.smem_bytes = smem_layout(state_dtype)
@@ -193,6 +220,29 @@ class KdaDecodeFp32:
         scale: Float32,
         lower_bound: Float32,
     ):
+        self._body(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, None,
+                   scale, lower_bound)
+
+    @cute.jit
+    def _body(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mStateIndices: cute.Tensor,
+        mPool: cute.Tensor,
+        mOut: cute.Tensor,
+        mStates,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        ESZ: Constexpr = self.esz
+        STATES: Constexpr = self.intermediate
+        PREPARE_WARPS: Constexpr = PREPARE_THREADS // 32
         tid, _, _ = cute.arch.thread_idx()
         n, head, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -208,6 +258,15 @@ class KdaDecodeFp32:
         rec = tile + self.record_offset
         row_bytes = Int64(num_heads) * (D * 2)
         tok_base = (Int64(n) * Int64(t) * Int64(num_heads) + Int64(head)) * (D * 2)
+        # states[n, i, h] of [N, t, H, 128, 128]: states_n + i * states_stride
+        states_n = Int64(0)
+        states_stride = Int64(num_heads) * (D * D * ESZ)
+        if cutlass.const_expr(STATES):
+            states_n = mStates.iterator.toint() + (
+                Int64(n) * Int64(t) * Int64(num_heads) + Int64(head)) * (D * D * ESZ)
+        rows = DecodeRows(n, head, mBeta, qk_head)
+        record = lambda: cute.make_tensor(  # noqa: E731 - build_record makes it where it wants it
+            region + self.record_offset, cute.make_layout(FP32_RECORD_BYTES))
         if n_valid > 0:  # t >= 1 (the handler guarantees it): the token tensors are not empty
             # the step's token operands and the pool row first: nothing here waits for them
             ln = Lane(lane, warp_idx * WARP_COLS)
@@ -221,37 +280,114 @@ class KdaDecodeFp32:
             valid_row = (row >= 0) & (row < mPool.shape[0])
             pool_head = (
                 mPool.iterator.toint()
-                + (Int64(row) * Int64(num_heads) + Int64(head)) * (D * D * self.esz)
+                + (Int64(row) * Int64(num_heads) + Int64(head)) * (D * D * ESZ)
             )
-            if warp_idx < PREPARE_THREADS // 32:
-                self.prep.build_record(
-                    DecodeRows(n, head, mBeta, qk_head), mQ, mK, mG, mALog, mDtBias, head,
-                    n_valid,
-                    lambda: cute.make_tensor(region + self.record_offset,
-                                             cute.make_layout(FP32_RECORD_BYTES)),
-                    region + self.prepare_offset, scale, lower_bound, tid, warp_idx, lane,
-                )
-            if warp_idx >= PREPARE_THREADS // 32:
+            if warp_idx < PREPARE_WARPS:
+                self.prep.build_record(rows, mQ, mK, mG, mALog, mDtBias, head, n_valid, record,
+                                       region + self.prepare_offset, scale, lower_bound, tid,
+                                       warp_idx, lane)
+            if warp_idx >= PREPARE_WARPS:
                 if valid_row:
-                    copy_state(tid - PREPARE_THREADS, tile, pool_head, self.esz)
+                    copy_state(tid - PREPARE_THREADS, tile, pool_head, ESZ)
                 ptx.cp_async_wait(0)
             cute.arch.sync_threads()  # the record and the state tile are complete
             if valid_row:
-                step = DecodeStepFp32(ln, rec, tile, io, n_valid, self.esz, pool_head)
-                ub, oq = p_oq_u(step)
+                step = DecodeStepFp32(ln, rec, tile, io, n_valid, ESZ)
+                u_ops, oq = p_oq_u(step)
+                ub = big_u(step, u_ops)
                 store_out(step, ub, oq)
+                final = [pool_head]
+                if cutlass.const_expr(STATES):
+                    final.append(states_n + Int64(n_valid - 1) * states_stride)
                 for mt in cutlass.range(8, unroll=1):
-                    update_state(step, ub, mt)
+                    update_state(step, ub, mt, final)
+                if cutlass.const_expr(STATES):
+                    # state i < t - 1: the final state of a prefill on tokens 0..i, with that
+                    # prefill's own record (rebuilt in place), u's rows > i masked (the step's
+                    # other values on rows <= i are the prefill's: module docstring)
+                    for i in range(n_valid - 1):
+                        cute.arch.sync_threads()  # every warp is done with the record
+                        if warp_idx < PREPARE_WARPS:
+                            self.prep.build_record(rows, mQ, mK, mG, mALog, mDtBias, head, i + 1,
+                                                   record, region + self.prepare_offset, scale,
+                                                   lower_bound, tid, warp_idx, lane)
+                        cute.arch.sync_threads()
+                        ub_i = big_u(step, prefix_rows(step, u_ops, i))
+                        dst = [states_n + Int64(i) * states_stride]
+                        for mt in cutlass.range(8, unroll=1):
+                            update_state(step, ub_i, mt, dst)
             if not valid_row:
-                # padding slot: no pool access; out rows r < t are +0 (one 16-byte unit each)
+                # padding slot: no pool access; out rows r < t (one 16-byte unit each) and the
+                # per-token states are +0
+                zero = Int32(0)
                 r = tid // (D * 2 // 16)
                 if r < n_valid:
-                    zero = Int32(0)
                     ptx.st_global_v4(
                         mOut.iterator.toint() + tok_base + Int64(r) * row_bytes
                         + Int64(tid % (D * 2 // 16)) * 16,
                         [zero, zero, zero, zero],
                     )
+                if cutlass.const_expr(STATES):
+                    for i in range(n_valid):
+                        for j in cutlass.range_constexpr(D * D * ESZ // 16 // NUM_THREADS):
+                            ptx.st_global_v4(
+                                states_n + Int64(i) * states_stride
+                                + Int64(tid + j * NUM_THREADS) * 16,
+                                [zero, zero, zero, zero],
+                            )
+
+
+class KdaDecodeFp32States(KdaDecodeFp32):
+    """KdaDecodeFp32(..., intermediate=True): also writes states[n, i] after every token i."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # bf16 [N, t, H, 128]
+        mK: cute.Tensor,  # bf16 [N, t, H, 128]
+        mV: cute.Tensor,  # bf16 [N, t, H, 128]
+        mG: cute.Tensor,  # bf16 [N, t, H, 128]
+        mBeta: cute.Tensor,  # bf16 [N, t, H]
+        mALog: cute.Tensor,  # f32 [H]
+        mDtBias: cute.Tensor,  # f32 [H, 128]
+        mStateIndices: cute.Tensor,  # i32 [N]
+        mPool: cute.Tensor,  # bf16 | f32 [P, H, 128, 128], updated in place
+        mOut: cute.Tensor,  # bf16 [N, t, H, 128]
+        mStates: cute.Tensor,  # bf16 | f32 [N, t, H, 128, 128]
+        scale: Float32,
+        lower_bound: Float32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel_states(
+            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, mStates, scale,
+            lower_bound,
+        ).launch(
+            grid=[mQ.shape[0], self.value_heads(mQ, mV), 1],
+            block=[NUM_THREADS, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=CTAS_PER_SM,
+            preferred_smem_carveout=100,
+        )
+
+    @cute.kernel
+    def kernel_states(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mStateIndices: cute.Tensor,
+        mPool: cute.Tensor,
+        mOut: cute.Tensor,
+        mStates: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        self._body(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, mStates,
+                   scale, lower_bound)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,11 +405,11 @@ class DecodeStepFp32:
     """Per-warp constants of the chunk step (a plain bag), with the lane's state addresses
     (StateTile)."""
 
-    def __init__(self, ln, rec, tile, io, n_valid, esz, pool_head):
+    def __init__(self, ln, rec, tile, io, n_valid, esz):
         self.ln, self.rec, self.tile = ln, rec, tile
         self.io, self.n_valid, self.esz = io, n_valid, esz
         self.zero_f = Float32(0.0)
-        self.state = StateTile(ln, tile, pool_head, esz)
+        self.state = StateTile(ln, tile, esz)
 
 
 class StateTile:
@@ -285,9 +421,9 @@ class StateTile:
     ^ (2 t4 + e); bf16 (8 keys): 8 (mt >> 2) + ((2 (mt & 3) + h) ^ (2 t4 + e)). The row bases
     are 128-byte aligned, so a base carrying y_e's bits 4..6 takes the compile-time part by one
     XOR; n-tile and mt's high bits are immediates. In the pool row [v, k] the lane's elements
-    are one base plus immediates."""
+    are the lane's offset plus immediates."""
 
-    def __init__(self, ln, tile, pool_head, esz):
+    def __init__(self, ln, tile, esz):
         self.esz = esz
         self.smem = []  # [e]
         for e in range(2):
@@ -297,7 +433,8 @@ class StateTile:
                 self.smem.append(row + ((((ln.g >> 2) ^ x) << 4) | ((ln.g & 3) * 4)))
             else:
                 self.smem.append(row + ((x << 4) | (ln.g * 2)))
-        self.pool = pool_head + (Int64(ln.col_w + 2 * ln.t4) * D + Int64(ln.g)) * esz
+        # element (col_w + 2 t4, g) of a [128 v, 128 k] state in global memory
+        self.lane_offset = (Int64(ln.col_w + 2 * ln.t4) * D + Int64(ln.g)) * esz
 
     def shared_address(self, mt, nt, i):
         h, e = i // 2, i % 2
@@ -309,7 +446,7 @@ class StateTile:
         return (self.smem[e] ^ ((step * granule) << 4)) + (nt * 8 * D * self.esz + high)
 
     def pool_offset(self, mt, nt, i):
-        """Bytes from `pool` of register i's element."""
+        """Bytes from the lane's element (lane_offset) of register i's element."""
         return ((nt * 8 + i % 2) * D + 16 * mt + 8 * (i // 2)) * self.esz
 
 
@@ -332,8 +469,9 @@ def read_state_tile(step, mt, nt, again=False):
 
 def p_oq_u(step):
     """P = kd . S^T and Oq = qd . S^T as recurrence_fp32 computes them (two key halves of four
-    k-blocks, five term chains each from zero), u and U (u_to_b_operands). Returns (U as (hi,
-    lo) B operands per n-tile, Oq per n-tile)."""
+    k-blocks, five term chains each from zero) and u = (v - P) b, split with the rows >= t
+    zeroed (recurrence_fp32.u_to_b_operands' first half). Returns ((u_hi, u_lo) B operands per
+    n-tile, Oq per n-tile)."""
     ln, zero_f = step.ln, step.zero_f
     zero4 = [zero_f] * 4
     p, oq = [], []
@@ -350,12 +488,27 @@ def p_oq_u(step):
         oq.append(add_halves(part[1], sum_terms(*chains[2:])))
     io = step.io
     b_in = [ptx.sigmoid_exp2(ptx.bf16x2_lo_to_f32(io.beta_bits[half])) for half in range(2)]
-    small_off = ldmatrix_small_offset(ln.lane)
+    u_ops = [split_to_b_operands(u_values(p[nt], io.v_in[nt], b_in), io.row_mask)
+             for nt in range(N_TILES)]
+    return u_ops, oq
+
+
+def big_u(step, u_ops):
+    """U = INV . u (three terms, INV from the record), split: recurrence_fp32.u_to_b_operands
+    after its split(u). Returns (U_hi, U_lo) B operands per n-tile."""
+    small_off = ldmatrix_small_offset(step.ln.lane)
     a_inv = (ptx.ldmatrix_x4(step.rec + OFF32_INV_HI + small_off),
              ptx.ldmatrix_x4(step.rec + OFF32_INV_LO + small_off))
-    ub = [u_to_b_operands(p[nt], io.v_in[nt], b_in, io.row_mask, a_inv, zero_f)
-          for nt in range(N_TILES)]
-    return ub, oq
+    return [split_to_b_operands(three_term_product(a_inv[0], a_inv[1], u_hi, u_lo, step.zero_f))
+            for u_hi, u_lo in u_ops]
+
+
+def prefix_rows(step, u_ops, i):
+    """split(u)'s B operands with the chunk rows > i zeroed: what a prefill on tokens 0..i has
+    (its rows past the end are masked to 0, rows <= i are these: module docstring)."""
+    m0, m1 = intermediate_masks(step.ln, i)
+    return [((u_hi[0] & m0, u_hi[1] & m1), (u_lo[0] & m0, u_lo[1] & m1))
+            for u_hi, u_lo in u_ops]
 
 
 def store_out(step, ub, oq):
@@ -369,34 +522,37 @@ def store_out(step, ub, oq):
                                  io.rows[half], step.n_valid)
 
 
-def update_state(step, ub, mt):
-    """k-tile mt: W = kr^T . U, S = fma(S, gt, W) (recurrence_fp32.state_tile_update) on the
-    tile's values, stored to the pool row [v, k] (f32 as computed, bf16 rounded to nearest
-    even) from registers: for one register index, eight lanes cover 8 consecutive keys of a
-    row. The kernel runs the k-tiles as a loop that is not unrolled: unrolled, ptxas starts
-    the W products of later tiles early and spills at 128 registers."""
+def update_state(step, ub, mt, bases):
+    """k-tile mt: W = kr^T . U, S = fma(S, gt, W) (recurrence_fp32.state_tile_update; kr, gt from
+    the record) on the tile's values, stored to every [128 v, 128 k] state at `bases` (f32 as
+    computed, bf16 rounded to nearest even) from registers: for one register index, eight lanes
+    cover 8 consecutive keys of a row. The kernel runs the k-tiles as a loop that is not
+    unrolled: unrolled, ptxas starts the W products of later tiles early and spills at 128
+    registers."""
     ln, st = step.ln, step.state
     a_krt = krt_operands(step.rec, ln.lane, mt)
     gt2 = gt_rows(step.rec, ln.lane, mt)
     for nt in range(N_TILES):
         w = three_term_product(a_krt[0], a_krt[1], ub[nt][0], ub[nt][1], step.zero_f)
         s4 = state_tile_update(read_state_tile(step, mt, nt, again=True), gt2, w)
-        for i in range(4):
-            addr = st.pool + st.pool_offset(mt, nt, i)
-            if step.esz == 4:
-                ptx.st_global_f32(addr, s4[i])
-            else:
-                ptx.st_global_u16(addr, ptx.pack_bf16x2(s4[i], Float32(0.0)))
+        for base in bases:
+            for i in range(4):
+                addr = base + st.lane_offset + st.pool_offset(mt, nt, i)
+                if step.esz == 4:
+                    ptx.st_global_f32(addr, s4[i])
+                else:
+                    ptx.st_global_u16(addr, ptx.pack_bf16x2(s4[i], Float32(0.0)))
 
 
 # ------------------------------------------------------------------ build side
-def compile_kernel(arch: str = "sm_90a", *, state_dtype: str = "f32", grouped: bool = False,
-                   dump_dir: str | None = None):
-    """The fp32 mode's fused decode kernel for a `state_dtype` pool (grouped: q, k on fewer heads
-    than v) compiled for `arch` (compile_utils.compile_for_arch)."""
+def compile_kernel(arch: str = "sm_90a", *, state_dtype: str = "f32", intermediate: bool = False,
+                   grouped: bool = False, dump_dir: str | None = None):
+    """The fp32 mode's fused decode kernel for a `state_dtype` pool (intermediate: also the state
+    after every token; grouped: q, k on fewer heads than v) compiled for `arch`
+    (compile_utils.compile_for_arch)."""
     return compile_for_arch(
-        KdaDecodeFp32(state_dtype, grouped),
-        decode_args(state_dtype, False, grouped),
+        KdaDecodeFp32(state_dtype, intermediate, grouped),
+        decode_args(state_dtype, intermediate, grouped),
         arch,
         dump_dir=dump_dir,
     )
