@@ -181,32 +181,13 @@ def row_masks(t4):
     return 2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9
 
 
-class KdaDecode:
-    """Host entry + device kernel of the fused decode (module docstring). KdaDecode(inverse,
-    state_dtype, intermediate=True) constructs KdaDecodeStates, whose __call__ also takes
-    mStates."""
+class DecodeHost:
+    """The host entry of the fused decode kernels (KdaDecode here, decode_fp32.KdaDecodeFp32):
+    one CTA of `num_threads` per (sequence, value head), grid (N, H, 1), launched with
+    `launch_options`; the device code is the subclass's _body (mStates None)."""
 
-    def __new__(cls, inverse: str = "stable", state_dtype: str = "bf16",
-                intermediate: bool = False, grouped: bool = False):
-        if intermediate and cls is KdaDecode:
-            cls = KdaDecodeStates
-        return super().__new__(cls)
-
-    def __init__(self, inverse: str = "stable", state_dtype: str = "bf16",
-                 intermediate: bool = False, grouped: bool = False):
-        if inverse not in INVERSES:
-            raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(
-                f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
-        self.inverse = inverse
-        self.state_dtype = state_dtype
-        self.intermediate = intermediate
-        # grouped value heads: q and k [N, t, Hk, 128], value head h reads query/key head
-        # h // (H // Hk); H is then v's head count (a specialisation of its own)
-        self.grouped = grouped
-        self.state_elem_bytes = STATE_ELEM_BYTES[state_dtype]
-        self.prep = KdaPrepare(inverse)  # the record-building phases
+    num_threads = NUM_THREADS
+    launch_options: dict = {}
 
     def value_heads(self, mQ: cute.Tensor, mV: cute.Tensor):
         """H: the heads of v, g, beta, the pool and out (q's, unless grouped)."""
@@ -233,8 +214,9 @@ class KdaDecode:
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, scale, lower_bound
         ).launch(
             grid=[mQ.shape[0], self.value_heads(mQ, mV), 1],
-            block=[NUM_THREADS, 1, 1],
+            block=[self.num_threads, 1, 1],
             stream=stream,
+            **self.launch_options,
         )
 
     @cute.kernel
@@ -257,6 +239,102 @@ class KdaDecode:
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, None, scale,
             lower_bound,
         )
+
+
+class DecodeStatesHost(DecodeHost):
+    """DecodeHost with the per-token states: __call__ also takes mStates [N, t, H, 128, 128]."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # bf16 [N, t, H, 128]
+        mK: cute.Tensor,  # bf16 [N, t, H, 128]
+        mV: cute.Tensor,  # bf16 [N, t, H, 128]
+        mG: cute.Tensor,  # bf16 [N, t, H, 128]
+        mBeta: cute.Tensor,  # bf16 [N, t, H]
+        mALog: cute.Tensor,  # f32 [H]
+        mDtBias: cute.Tensor,  # f32 [H, 128]
+        mStateIndices: cute.Tensor,  # i32 [N]
+        mPool: cute.Tensor,  # bf16 | f32 [P, H, 128, 128], updated in place
+        mOut: cute.Tensor,  # bf16 [N, t, H, 128]
+        mStates: cute.Tensor,  # bf16 | f32 [N, t, H, 128, 128]
+        scale: Float32,
+        lower_bound: Float32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel_states(
+            mQ,
+            mK,
+            mV,
+            mG,
+            mBeta,
+            mALog,
+            mDtBias,
+            mStateIndices,
+            mPool,
+            mOut,
+            mStates,
+            scale,
+            lower_bound,
+        ).launch(
+            grid=[mQ.shape[0], self.value_heads(mQ, mV), 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            **self.launch_options,
+        )
+
+    @cute.kernel
+    def kernel_states(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mStateIndices: cute.Tensor,
+        mPool: cute.Tensor,
+        mOut: cute.Tensor,
+        mStates: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        self._body(
+            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, mStates, scale,
+            lower_bound,
+        )
+
+
+def check_state_dtype(state_dtype):
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
+
+
+class KdaDecode(DecodeHost):
+    """Host entry + device kernel of the fused decode (module docstring). KdaDecode(inverse,
+    state_dtype, intermediate=True) constructs KdaDecodeStates, whose __call__ also takes
+    mStates."""
+
+    def __new__(cls, inverse: str = "stable", state_dtype: str = "bf16",
+                intermediate: bool = False, grouped: bool = False):
+        if intermediate and cls is KdaDecode:
+            cls = KdaDecodeStates
+        return super().__new__(cls)
+
+    def __init__(self, inverse: str = "stable", state_dtype: str = "bf16",
+                 intermediate: bool = False, grouped: bool = False):
+        if inverse not in INVERSES:
+            raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+        check_state_dtype(state_dtype)
+        self.inverse = inverse
+        self.state_dtype = state_dtype
+        self.intermediate = intermediate
+        # grouped value heads: q and k [N, t, Hk, 128], value head h reads query/key head
+        # h // (H // Hk); H is then v's head count (a specialisation of its own)
+        self.grouped = grouped
+        self.state_elem_bytes = STATE_ELEM_BYTES[state_dtype]
+        self.prep = KdaPrepare(inverse)  # the record-building phases
 
     @cute.jit
     def _body(
@@ -375,93 +453,42 @@ class KdaDecode:
                     _final_state(step, ub, [pool_head], ESZ)
             if not valid_row:
                 # padding slot: no pool access; out rows r < t and the per-token states are +0
-                zero = Int32(0)
-                out_head = mOut.iterator.toint() + tok_base
-                for k in cutlass.range_constexpr(CHUNK * D * 2 // 16 // NUM_THREADS):
-                    u = tid + k * NUM_THREADS
-                    r = u // (D * 2 // 16)
-                    if r < n_valid:
-                        ptx.st_global_v4(
-                            out_head + Int64(r) * row_bytes + Int64(u % (D * 2 // 16)) * 16,
-                            [zero, zero, zero, zero],
-                        )
+                states_n, states_stride = None, None
                 if cutlass.const_expr(STATES):
                     states_n = mStates.iterator.toint() + (
                         Int64(n) * Int64(t) * Int64(num_heads) + Int64(head)
                     ) * (D * D * ESZ)
                     states_stride = Int64(num_heads) * (D * D * ESZ)
-                    for i in range(n_valid):
-                        for k in cutlass.range_constexpr(D * D * ESZ // 16 // NUM_THREADS):
-                            ptx.st_global_v4(
-                                states_n
-                                + Int64(i) * states_stride
-                                + Int64(tid + k * NUM_THREADS) * 16,
-                                [zero, zero, zero, zero],
-                            )
+                zero_padding_slot(tid, NUM_THREADS, mOut.iterator.toint() + tok_base, row_bytes,
+                                  n_valid, states_n, states_stride, ESZ)
 
 
-class KdaDecodeStates(KdaDecode):
+@cute.jit
+def zero_padding_slot(tid: Int32, nthreads: Constexpr, out_head, row_bytes, n_valid: Int32,
+                      states_n, states_stride, esz: Constexpr):
+    """A padding slot's results: its out rows r < n_valid (at out_head, row_bytes apart) and,
+    unless states_n is None, its states [n_valid, 128, 128] (states_stride apart) are +0, in
+    16-byte stores by the CTA's nthreads threads."""
+    zero = Int32(0)
+    for k in cutlass.range_constexpr(CHUNK * D * 2 // 16 // nthreads):
+        u = tid + k * nthreads
+        r = u // (D * 2 // 16)
+        if r < n_valid:
+            ptx.st_global_v4(
+                out_head + Int64(r) * row_bytes + Int64(u % (D * 2 // 16)) * 16,
+                [zero, zero, zero, zero],
+            )
+    if cutlass.const_expr(states_n is not None):
+        for i in range(n_valid):
+            for k in cutlass.range_constexpr(D * D * esz // 16 // nthreads):
+                ptx.st_global_v4(
+                    states_n + Int64(i) * states_stride + Int64(tid + k * nthreads) * 16,
+                    [zero, zero, zero, zero],
+                )
+
+
+class KdaDecodeStates(DecodeStatesHost, KdaDecode):
     """KdaDecode(..., intermediate=True): also writes states[n, i] after every token i."""
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # bf16 [N, t, H, 128]
-        mK: cute.Tensor,  # bf16 [N, t, H, 128]
-        mV: cute.Tensor,  # bf16 [N, t, H, 128]
-        mG: cute.Tensor,  # bf16 [N, t, H, 128]
-        mBeta: cute.Tensor,  # bf16 [N, t, H]
-        mALog: cute.Tensor,  # f32 [H]
-        mDtBias: cute.Tensor,  # f32 [H, 128]
-        mStateIndices: cute.Tensor,  # i32 [N]
-        mPool: cute.Tensor,  # bf16 | f32 [P, H, 128, 128], updated in place
-        mOut: cute.Tensor,  # bf16 [N, t, H, 128]
-        mStates: cute.Tensor,  # bf16 | f32 [N, t, H, 128, 128]
-        scale: Float32,
-        lower_bound: Float32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel_states(
-            mQ,
-            mK,
-            mV,
-            mG,
-            mBeta,
-            mALog,
-            mDtBias,
-            mStateIndices,
-            mPool,
-            mOut,
-            mStates,
-            scale,
-            lower_bound,
-        ).launch(
-            grid=[mQ.shape[0], self.value_heads(mQ, mV), 1],
-            block=[NUM_THREADS, 1, 1],
-            stream=stream,
-        )
-
-    @cute.kernel
-    def kernel_states(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mStateIndices: cute.Tensor,
-        mPool: cute.Tensor,
-        mOut: cute.Tensor,
-        mStates: cute.Tensor,
-        scale: Float32,
-        lower_bound: Float32,
-    ):
-        self._body(
-            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, mStates, scale,
-            lower_bound,
-        )
 
 
 # ----------------------------------------------------------------------------------------------

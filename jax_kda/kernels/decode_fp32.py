@@ -69,7 +69,6 @@ states[n, i] (t - 1 more prepares per CTA; no P, Oq or out again).
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, Int32, Int64, Uint8, cute
 from cutlass.cutlass_dsl import Constexpr
@@ -77,7 +76,17 @@ from cutlass.memory import SmemAllocator
 
 from . import ptx
 from .compile_utils import compile_for_arch
-from .decode import DecodeRows, Lane, decode_args, intermediate_masks, lane_token_operands
+from .decode import (
+    DecodeHost,
+    DecodeRows,
+    DecodeStatesHost,
+    Lane,
+    check_state_dtype,
+    decode_args,
+    intermediate_masks,
+    lane_token_operands,
+    zero_padding_slot,
+)
 from .prepare_common import qk_head_of
 from .prepare_fp32 import NUM_THREADS as PREPARE_THREADS
 from .prepare_fp32 import SMEM_BYTES as PREPARE_SMEM_BYTES
@@ -87,7 +96,6 @@ from .recurrence_common import (
     FP32_RECORD_BYTES,
     OFF32_INV_HI,
     OFF32_INV_LO,
-    STATE_DTYPES,
     STATE_ELEM_BYTES,
     D,
     ldmatrix_small_offset,
@@ -150,10 +158,15 @@ def copy_units(tid, esz):
             for i in range(units)]
 
 
-class KdaDecodeFp32:
+class KdaDecodeFp32(DecodeHost):
     """Host entry + device kernel of the fp32 mode's fused decode (module docstring).
     KdaDecodeFp32(state_dtype, intermediate=True) constructs KdaDecodeFp32States, whose __call__
     also takes mStates."""
+
+    num_threads = NUM_THREADS
+    # registers for CTAS_PER_SM CTAs; the carveout hint asks for the largest shared-memory
+    # configuration (given here, the DSL would otherwise ask a GPU)
+    launch_options = {"min_blocks_per_mp": CTAS_PER_SM, "preferred_smem_carveout": 100}
 
     def __new__(cls, state_dtype: str = "f32", intermediate: bool = False,
                 grouped: bool = False):
@@ -163,65 +176,13 @@ class KdaDecodeFp32:
 
     def __init__(self, state_dtype: str = "f32", intermediate: bool = False,
                  grouped: bool = False):
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(
-                f"state_dtype must be one of {tuple(STATE_DTYPES)}, got {state_dtype!r}")
+        check_state_dtype(state_dtype)
         self.state_dtype = state_dtype
         self.intermediate = intermediate
-        self.grouped = grouped
+        self.grouped = grouped  # q and k on fewer heads (decode.KdaDecode)
         self.esz = STATE_ELEM_BYTES[state_dtype]
         self.record_offset, self.prepare_offset, self.smem_bytes = smem_layout(state_dtype)
         self.prep = KdaPrepareFp32(grouped, fused=True)
-
-    def value_heads(self, mQ: cute.Tensor, mV: cute.Tensor):
-        """H: the heads of v, g, beta, the pool and out (q's, unless grouped)."""
-        return mV.shape[2] if self.grouped else mQ.shape[2]
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # bf16 [N, t, H, 128]
-        mK: cute.Tensor,  # bf16 [N, t, H, 128]
-        mV: cute.Tensor,  # bf16 [N, t, H, 128]
-        mG: cute.Tensor,  # bf16 [N, t, H, 128]
-        mBeta: cute.Tensor,  # bf16 [N, t, H]
-        mALog: cute.Tensor,  # f32 [H]
-        mDtBias: cute.Tensor,  # f32 [H, 128]
-        mStateIndices: cute.Tensor,  # i32 [N]
-        mPool: cute.Tensor,  # bf16 | f32 [P, H, 128, 128], updated in place
-        mOut: cute.Tensor,  # bf16 [N, t, H, 128]
-        scale: Float32,
-        lower_bound: Float32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, scale, lower_bound
-        ).launch(
-            grid=[mQ.shape[0], self.value_heads(mQ, mV), 1],
-            block=[NUM_THREADS, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=CTAS_PER_SM,
-            preferred_smem_carveout=100,
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mStateIndices: cute.Tensor,
-        mPool: cute.Tensor,
-        mOut: cute.Tensor,
-        scale: Float32,
-        lower_bound: Float32,
-    ):
-        self._body(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, None,
-                   scale, lower_bound)
 
     @cute.jit
     def _body(
@@ -259,7 +220,7 @@ class KdaDecodeFp32:
         row_bytes = Int64(num_heads) * (D * 2)
         tok_base = (Int64(n) * Int64(t) * Int64(num_heads) + Int64(head)) * (D * 2)
         # states[n, i, h] of [N, t, H, 128, 128]: states_n + i * states_stride
-        states_n = Int64(0)
+        states_n = None
         states_stride = Int64(num_heads) * (D * D * ESZ)
         if cutlass.const_expr(STATES):
             states_n = mStates.iterator.toint() + (
@@ -317,77 +278,13 @@ class KdaDecodeFp32:
                         for mt in cutlass.range(8, unroll=1):
                             update_state(step, ub_i, mt, dst)
             if not valid_row:
-                # padding slot: no pool access; out rows r < t (one 16-byte unit each) and the
-                # per-token states are +0
-                zero = Int32(0)
-                r = tid // (D * 2 // 16)
-                if r < n_valid:
-                    ptx.st_global_v4(
-                        mOut.iterator.toint() + tok_base + Int64(r) * row_bytes
-                        + Int64(tid % (D * 2 // 16)) * 16,
-                        [zero, zero, zero, zero],
-                    )
-                if cutlass.const_expr(STATES):
-                    for i in range(n_valid):
-                        for j in cutlass.range_constexpr(D * D * ESZ // 16 // NUM_THREADS):
-                            ptx.st_global_v4(
-                                states_n + Int64(i) * states_stride
-                                + Int64(tid + j * NUM_THREADS) * 16,
-                                [zero, zero, zero, zero],
-                            )
+                # padding slot: no pool access; out rows r < t and the per-token states are +0
+                zero_padding_slot(tid, NUM_THREADS, mOut.iterator.toint() + tok_base, row_bytes,
+                                  n_valid, states_n, states_stride, ESZ)
 
 
-class KdaDecodeFp32States(KdaDecodeFp32):
+class KdaDecodeFp32States(DecodeStatesHost, KdaDecodeFp32):
     """KdaDecodeFp32(..., intermediate=True): also writes states[n, i] after every token i."""
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # bf16 [N, t, H, 128]
-        mK: cute.Tensor,  # bf16 [N, t, H, 128]
-        mV: cute.Tensor,  # bf16 [N, t, H, 128]
-        mG: cute.Tensor,  # bf16 [N, t, H, 128]
-        mBeta: cute.Tensor,  # bf16 [N, t, H]
-        mALog: cute.Tensor,  # f32 [H]
-        mDtBias: cute.Tensor,  # f32 [H, 128]
-        mStateIndices: cute.Tensor,  # i32 [N]
-        mPool: cute.Tensor,  # bf16 | f32 [P, H, 128, 128], updated in place
-        mOut: cute.Tensor,  # bf16 [N, t, H, 128]
-        mStates: cute.Tensor,  # bf16 | f32 [N, t, H, 128, 128]
-        scale: Float32,
-        lower_bound: Float32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel_states(
-            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, mStates, scale,
-            lower_bound,
-        ).launch(
-            grid=[mQ.shape[0], self.value_heads(mQ, mV), 1],
-            block=[NUM_THREADS, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=CTAS_PER_SM,
-            preferred_smem_carveout=100,
-        )
-
-    @cute.kernel
-    def kernel_states(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mStateIndices: cute.Tensor,
-        mPool: cute.Tensor,
-        mOut: cute.Tensor,
-        mStates: cute.Tensor,
-        scale: Float32,
-        lower_bound: Float32,
-    ):
-        self._body(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mStateIndices, mPool, mOut, mStates,
-                   scale, lower_bound)
 
 
 # ----------------------------------------------------------------------------------------------
