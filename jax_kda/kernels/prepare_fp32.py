@@ -44,6 +44,10 @@ instruction fewer): the difference is exact, a subnormal one becomes a zero of i
 reference's `_ftz`). All f32 arithmetic is the pinned .ftz form of ptx.py.
 (INV's pairs are rounded by cvt.rn.bf16x2.f32, the same rounding two at a time.)
 
+Fused use (fused=True, decode_fp32.py): build_record runs the same phases as warps 0-3 of a
+larger CTA, the record's stores aimed at shared memory and the CTA barriers replaced by the
+named barrier PREPARE_BARRIER of those 128 threads; the shared memory is the caller's.
+
 Shared memory (SMEM_PLAN): the six operand tiles (24,576 bytes; the raw q, k, g rows of phases
 A-B on the first three, L and the Mqk staging on kl_hi and ql_hi in phase C), the row norms, b
 and phase B's G_7 / gt hand-over: 25,280 bytes per CTA; the launch asks for 7 CTAs per SM, i.e.
@@ -240,8 +244,8 @@ class KdaPrepareFp32:
         """Phases A-C for the chunk rows `rows` (n_valid of them valid) of value head `head`,
         run by threads 0-127: the record to record() (a byte tensor of 23,040 bytes, made after
         the loads are issued; global memory, or shared with fused=True), the operand tiles at
-        smem_base (fused; else allocated here). On return only
-        warps 0 and 1 may still be storing their phase C fields (no barrier after phase C)."""
+        smem_base (fused; else allocated here). On return only warps 0 and 1 may still be
+        storing their phase C fields (no barrier after phase C)."""
         # ---- A0. every global load first
         raw = self._load_rows(rows, mQ, mK, mG, n_valid, tid)
         beta_raw = rows.beta(rows.token(cutlass.min(tid % CHUNK, n_valid - 1)))
@@ -250,7 +254,7 @@ class KdaPrepareFp32:
         a_log = mALog[head]
         sm = self._shared_memory(smem_base)
         g_rec = record()
-        gm = _global_record(g_rec)
+        gm = record_views(g_rec)
 
         # ---- A. row norms, raw rows and b to shared memory
         self._stage_rows(raw, sm, n_valid, tid)
@@ -536,9 +540,9 @@ class KdaPrepareFp32:
 
 
 # ------------------------------------------------------------------ helpers
-def _global_record(g_rec: cute.Tensor):
-    """gt and the Mqk bytes of the CTA's 23,040-byte record `g_rec` as global-memory tensors (phase
-    B stores the swizzled tiles by address)."""
+def record_views(g_rec: cute.Tensor):
+    """gt and the Mqk bytes of the CTA's 23,040-byte record `g_rec` (global memory, or shared
+    with fused=True) as tensors (phase B stores the swizzled tiles by address)."""
     base = g_rec.iterator
     gm = _Smem()
     gm.gt = carve(base, RECORD["gt"], Float32, cute.make_layout(D))
