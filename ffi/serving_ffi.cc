@@ -269,8 +269,7 @@ ffi::Error DecodeFp32Instantiate(float scale, float lower_bound, int32_t inverse
 }
 
 template <typename Mode>
-ffi::Error DecodeRun(bool execute, cudaStream_t stream,
-                     ffi::Buffer<ffi::BF16> q,
+ffi::Error DecodeRun(bool execute, cudaStream_t stream, ffi::Buffer<ffi::BF16> q,
                      ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> g,
                      ffi::Buffer<ffi::BF16> beta, ffi::Buffer<ffi::F32> a_log,
                      ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<ffi::S32> state_indices,
@@ -282,7 +281,9 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream,
   int dtype = 0, states_dtype = 0;
   JAX_KDA_RETURN_IF(StateDtype(call, "pool", pool.element_type(), &dtype));
   JAX_KDA_RETURN_IF(StateDtype(call, "states (result)", states->element_type(), &states_dtype));
-  if (states_dtype != dtype) return Internal(std::string(call) + ": states and pool differ in dtype");
+  if (states_dtype != dtype) {
+    return Internal(std::string(call) + ": states and pool differ in dtype");
+  }
   const bool grouped = HasGroupedHeads(q.dimensions(), v.dimensions(), 2);
   const int variant = DecodeVariant(inverse, dtype, intermediate, grouped);
   const KernelSpec<DecodeArgs>* spec = nullptr;
@@ -294,8 +295,8 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream,
 
   auto q_dims = q.dimensions();
   if (q_dims.size() != 4 || q_dims[3] != kHeadDim) {
-    return ffi::Error::InvalidArgument("jax_kda: " + std::string(call) + ": q must be [N, t, Hk, 128], got " +
-                                       DimsString(q_dims));
+    return ffi::Error::InvalidArgument("jax_kda: " + std::string(call) +
+                                       ": q must be [N, t, Hk, 128], got " + DimsString(q_dims));
   }
   // N, t and Hk from q; H (the heads of v, g, beta, A_log, dt_bias, the pool and the results)
   // from v: a multiple of Hk
@@ -308,7 +309,8 @@ ffi::Error DecodeRun(bool execute, cudaStream_t stream,
                                        std::to_string(t));
   }
   if (pool.dimensions().size() != 4) {
-    return ffi::Error::InvalidArgument("jax_kda: " + std::string(call) + ": pool must be [P, H, 128, 128]");
+    return ffi::Error::InvalidArgument("jax_kda: " + std::string(call) +
+                                       ": pool must be [P, H, 128, 128]");
   }
   const int64_t p = pool.dimensions()[0];
   DecodeArgs a;

@@ -24,8 +24,9 @@ prepare_fp32.KdaPrepareFp32's own phases (build_record with fused=True: the same
 its stores aimed at shared memory, its CTA barriers a named barrier of warps 0-3), and the step is
 recurrence_fp32's chunk arithmetic piece by piece: P and Oq as two key halves of four k-blocks,
 each term its own chain from zero (p_oq_step, half_sums, add_halves: the k_split=1 warp layout of
-that kernel, whose bits every layout shares), u_to_b_operands, three_term_product for Mqk.U and
-W, out_pair, state_tile_update. Where recurrence_fp32 keeps the state in registers in the
+that kernel, whose bits every layout shares), u_operands and big_u_operands (its
+u_to_b_operands in two, so that intermediate states can mask split(u)), three_term_product for
+Mqk.U and W, out_pair, state_tile_update. Where recurrence_fp32 keeps the state in registers in the
 accumulator layout, this kernel reads the same elements from a shared-memory copy of the pool row
 (read_state_tile) each time it needs them: the values are the same bits, and the state costs
 no registers.
@@ -110,6 +111,7 @@ from .recurrence_common import (
 )
 from .recurrence_fp32 import (
     add_halves,
+    big_u_operands,
     gt_rows,
     half_sums,
     krt_operands,
@@ -121,7 +123,7 @@ from .recurrence_fp32 import (
     state_tile_update,
     sum_terms,
     three_term_product,
-    u_values,
+    u_operands,
 )
 
 NUM_THREADS = 256
@@ -307,11 +309,11 @@ def copy_state(copy_tid, tile, pool_head, esz):
 
 
 class DecodeStepFp32:
-    """Per-warp constants of the chunk step (a plain bag), with the lane's state addresses
-    (StateTile)."""
+    """Per-warp constants of the chunk step (a plain bag), with the lane's addresses of the state
+    tile at shared address `tile` (StateTile)."""
 
     def __init__(self, ln, rec, tile, io, n_valid, esz):
-        self.ln, self.rec, self.tile = ln, rec, tile
+        self.ln, self.rec = ln, rec
         self.io, self.n_valid, self.esz = io, n_valid, esz
         self.zero_f = Float32(0.0)
         self.state = StateTile(ln, tile, esz)
@@ -375,8 +377,8 @@ def read_state_tile(step, mt, nt, again=False):
 def p_oq_u(step):
     """P = kd . S^T and Oq = qd . S^T as recurrence_fp32 computes them (two key halves of four
     k-blocks, five term chains each from zero) and u = (v - P) b, split with the rows >= t
-    zeroed (recurrence_fp32.u_to_b_operands' first half). Returns ((u_hi, u_lo) B operands per
-    n-tile, Oq per n-tile)."""
+    zeroed (recurrence_fp32.u_operands). Returns ((u_hi, u_lo) B operands per n-tile, Oq per
+    n-tile)."""
     ln, zero_f = step.ln, step.zero_f
     zero4 = [zero_f] * 4
     p, oq = [], []
@@ -393,19 +395,16 @@ def p_oq_u(step):
         oq.append(add_halves(part[1], sum_terms(*chains[2:])))
     io = step.io
     b_in = [ptx.sigmoid_exp2(ptx.bf16x2_lo_to_f32(io.beta_bits[half])) for half in range(2)]
-    u_ops = [split_to_b_operands(u_values(p[nt], io.v_in[nt], b_in), io.row_mask)
-             for nt in range(N_TILES)]
-    return u_ops, oq
+    return [u_operands(p[nt], io.v_in[nt], b_in, io.row_mask) for nt in range(N_TILES)], oq
 
 
 def big_u(step, u_ops):
-    """U = INV . u (three terms, INV from the record), split: recurrence_fp32.u_to_b_operands
-    after its split(u). Returns (U_hi, U_lo) B operands per n-tile."""
+    """U = INV . u (recurrence_fp32.big_u_operands, INV from the record) per n-tile: (U_hi, U_lo)
+    B operands."""
     small_off = ldmatrix_small_offset(step.ln.lane)
     a_inv = (ptx.ldmatrix_x4(step.rec + OFF32_INV_HI + small_off),
              ptx.ldmatrix_x4(step.rec + OFF32_INV_LO + small_off))
-    return [split_to_b_operands(three_term_product(a_inv[0], a_inv[1], u_hi, u_lo, step.zero_f))
-            for u_hi, u_lo in u_ops]
+    return [big_u_operands(a_inv, ops, step.zero_f) for ops in u_ops]
 
 
 def prefix_rows(step, u_ops, i):

@@ -706,10 +706,19 @@ def u_to_b_operands(p4, v_in, b_in, row_mask, a_inv, zero_f):
     """Steps 3 and 4 for one n-tile: u from P (summed over both key halves), split(u) (masked
     rows 0), U = INV . u (three terms), split(U) -> (U_hi, U_lo) as B operands (K = the chunk's
     16 rows)."""
-    u = u_values(p4, v_in, b_in)
-    u_hi, u_lo = split_to_b_operands(u, row_mask)
-    big_u = three_term_product(a_inv[0], a_inv[1], u_hi, u_lo, zero_f)
-    return split_to_b_operands(big_u)
+    return big_u_operands(a_inv, u_operands(p4, v_in, b_in, row_mask), zero_f)
+
+
+def u_operands(p4, v_in, b_in, row_mask):
+    """Step 3 for one n-tile: split(u) as (u_hi, u_lo) B operands, rows past the end 0."""
+    return split_to_b_operands(u_values(p4, v_in, b_in), row_mask)
+
+
+def big_u_operands(a_inv, u_ops, zero_f):
+    """Step 4 for one n-tile: U = INV . u (three terms) from split(u) (u_operands), split(U) ->
+    (U_hi, U_lo) as B operands."""
+    u_hi, u_lo = u_ops
+    return split_to_b_operands(three_term_product(a_inv[0], a_inv[1], u_hi, u_lo, zero_f))
 
 
 def state_tile_update(s4, gt2, w4):
