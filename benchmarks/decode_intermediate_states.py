@@ -4,8 +4,7 @@
 
 One decode step of N sequences x H heads x t tokens on an f32 state pool (all rows indexed),
 with and without the intermediate states, for numerics="flashkda" (the fused decode kernel) and
-numerics="fp32" (the fp32 prefill kernels; with the states, every prefix packed into one
-prefill). Each variant is a jitted chain of dependent steps (jax_kda.bench.timing: the next
+numerics="fp32" (the fp32 mode's fused decode kernel). Each variant is a jitted chain of dependent steps (jax_kda.bench.timing: the next
 step reads this step's pool, and its v depends on one element of the states, so they are
 computed); the variants alternate over several rounds; medians in us and the ratios to the
 same mode without states are printed.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
-import numpy as np
 
 from . import _ffi, _launch, _sequence_parallel, _state_pool
 from ._manual_axes import vary_like
@@ -142,74 +141,14 @@ def _segmented(q, k, v, g, beta, A_log, dt_bias, cu, state, *, problem: Problem,
 
 def decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *, problem: DecodeProblem):
     """(out [N, t, H, 128], updated state or pool, intermediate states [N, t, H, 128, 128] or
-    None) from the fused decode kernel, for arrays of exactly `problem`'s shapes; in the fp32
-    mode from the fp32 prefill kernels on the t tokens (B = N, T = t)."""
-    if problem.numerics == "fp32":
-        return _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices,
-                            problem=problem)
+    None) from the fused decode kernel of problem.numerics, for arrays of exactly `problem`'s
+    shapes."""
     if state_indices is None:
         state_indices = _state_pool.identity_indices(problem.num_seqs)
     out, pool, states = _ffi.decode_call(
         q, k, v, g, beta, A_log, dt_bias, state_indices, state, scale=problem.scale,
         lower_bound=problem.lower_bound, inverse=problem.inverse,
-        intermediate_states=problem.intermediate_states,
+        intermediate_states=problem.intermediate_states, numerics=problem.numerics,
     )
     states = vary_like(states, v) if problem.intermediate_states else None
     return vary_like(out, v), vary_like(pool, v), states
-
-
-def _fp32_decode(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
-                 problem: DecodeProblem):
-    """kda_decode in the fp32 mode: kda_prefill's fp32 kernels on the N x t tokens (the pool
-    recurrence reads and writes the pool rows in place); no fused kernel exists for this mode."""
-    if problem.intermediate_states:
-        return _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices,
-                                     problem=problem)
-    N, t, H = problem.num_seqs, problem.tokens, problem.heads
-    prefill_problem = Problem(
-        batch=N, seqlen=t, heads=H, num_seqs=N, varlen=False, state_dtype=problem.state_dtype,
-        scale=problem.scale, lower_bound=problem.lower_bound,
-        pool_rows=problem.pool_rows if problem.indexed else None, numerics="fp32",
-        qk_heads=problem.qk_heads)
-    out, new_state, _ = prefill(q, k, v, g, beta, A_log, dt_bias, state, None, state_indices,
-                                None, problem=prefill_problem)
-    return out, new_state, None
-
-
-def _fp32_decode_prefixes(q, k, v, g, beta, A_log, dt_bias, state, state_indices, *,
-                          problem: DecodeProblem):
-    """kda_decode(numerics="fp32", output_intermediate_states=True): intermediate state i is by
-    definition the final state of a prefill on the first i + 1 tokens, so every prefix of every
-    sequence becomes a sequence of its own, all packed into ONE fp32 prefill (N * t sequences,
-    N * t (t + 1) / 2 tokens) from the sequence's initial state; out and the new state are those
-    of the longest prefix (the whole t tokens). Each packed sequence is computed independently by
-    the kernels and the fp32 mode's bits do not depend on the column split, so every result is
-    bitwise kda_prefill's on the same tokens. The cost grows as t (t + 1) / 2 tokens instead of
-    t."""
-    N, t, H = problem.num_seqs, problem.tokens, problem.heads
-    prefix_tokens = t * (t + 1) // 2  # tokens of the t prefixes of one sequence
-    # packed token j of sequence n's prefixes reads token (n, row_of[j]); prefix i starts at
-    # i (i + 1) / 2
-    row_of = np.concatenate([np.arange(i + 1) for i in range(t)])
-    prefix_start = np.array([i * (i + 1) // 2 for i in range(t)])
-    seqs = np.arange(N)[:, None]
-    source = (seqs * t + row_of[None, :]).reshape(-1)
-    cu = np.append((seqs * prefix_tokens + prefix_start[None, :]).reshape(-1), N * prefix_tokens)
-    packed = [_flat(x)[source][None] for x in (q, k, v, g, beta)]
-    initial = _state_pool.gather(state, state_indices) if problem.indexed else state
-    prefill_problem = Problem(
-        batch=1, seqlen=N * prefix_tokens, heads=H, num_seqs=N * t, varlen=True,
-        state_dtype=problem.state_dtype, scale=problem.scale, lower_bound=problem.lower_bound,
-        numerics="fp32", qk_heads=problem.qk_heads)
-    out, finals, _ = prefill(*packed, A_log, dt_bias, jnp.repeat(initial, t, axis=0),
-                             jnp.asarray(cu, jnp.int32), None, None, problem=prefill_problem)
-    longest = (seqs * prefix_tokens + prefix_start[-1] + np.arange(t)[None, :]).reshape(-1)
-    out = out[0, longest].reshape(v.shape)
-    states = finals.reshape((N, t) + finals.shape[1:])
-    if not problem.indexed:
-        return vary_like(out, v), vary_like(states[:, -1], v), vary_like(states, v)
-    pad = ~_state_pool.valid_rows(state_indices, problem.pool_rows)
-    out = jnp.where(pad[:, None, None, None], jnp.zeros((), out.dtype), out)
-    states = jnp.where(pad[:, None, None, None, None], jnp.zeros((), states.dtype), states)
-    new_pool = _state_pool.scatter(state, state_indices, states[:, -1])
-    return vary_like(out, v), vary_like(new_pool, v), vary_like(states, v)

@@ -202,11 +202,9 @@ def kda_decode(
       scale, lower_bound: as kda_prefill.
       output_intermediate_states: also return the state after each of the t tokens
         ([N, t, H, 128, 128], the state's dtype; entry i is bitwise kda_prefill's final state
-        on the first i + 1 tokens), for speculative decoding that accepts a prefix. With
-        numerics="fp32" the kernels run every prefix as a sequence of its own in one packed
-        prefill (t (t + 1) / 2 tokens per sequence instead of t).
-      numerics: as kda_prefill; "fp32" runs kda_prefill's fp32 kernels on the t tokens (there
-        is no fused fp32 decode kernel) and is bitwise kda_prefill(numerics="fp32") on them.
+        on the first i + 1 tokens), for speculative decoding that accepts a prefix.
+      numerics: as kda_prefill; each mode has its own fused decode kernel, bitwise
+        kda_prefill of that mode on the same tokens.
       inverse, backend: as kda_prefill.
 
     Returns:

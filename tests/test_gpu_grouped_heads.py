@@ -8,7 +8,7 @@ with q and k repeated G times (which runs the plain specialisations):
    has it, 16, 32, 64, 128), batched and packed (with empty and short sequences), with initial
    states; G in {2, 3, 8}; Hk = 1 and several; the workspace of the prepare call itself too;
 2. state pools with padding slots and checkpoints, both modes; sequence-parallel pieces (fp32);
-3. kda_decode (fused kernel; fp32 through the prefill kernels), t in {1, 5, 16}, bf16 and f32
+3. kda_decode (the fused kernel of each mode), t in {1, 5, 16}, bf16 and f32
    pools, intermediate states, both inverses;
 4. vmap folded into heads (per-element A_log) on the kernels;
 5. the kernels against the reference backend on the CPU (which repeats q and k), within the

@@ -141,29 +141,6 @@ def test_fp32_decode_intermediate_states_are_prefix_prefills(dtype):
     assert not np.asarray(out[1].astype(jnp.float32)).any()
 
 
-def test_fp32_decode_prefix_packing_of_the_kernel_path(monkeypatch):
-    """The kernel path's one packed prefill over every prefix, with the reference standing in for
-    the kernels: bitwise the intermediate states, out and pool of the reference backend's
-    decode (which runs each prefix on its own), padding slot included."""
-    from jax_kda import _reference_path
-    monkeypatch.setattr(_kernel_path, "prefill", _reference_path.prefill)
-    rng = np.random.default_rng()
-    a = make_inputs(rng, 3, 4, 2, regime="strong")
-    pool = random_states(rng, 5, 2, jnp.float32)
-    idx = jnp.asarray([4, 1, -1], jnp.int32)
-    want = _decode_with_states(a, pool, idx)
-    problem = jax_kda._checks.check_decode(
-        *(a[k] for k in DECODE_ARGS), state=pool, state_indices=idx, scale=SCALE,
-        lower_bound=LOWER, output_intermediate_states=True, numerics="fp32", inverse="stable",
-        backend="kernel")
-    got = jax.jit(lambda a, p: _kernel_path.decode(
-        *(a[k] for k in DECODE_ARGS), p, idx, problem=problem))(a, pool)
-    for x, y in zip(got, want):
-        assert x.shape == y.shape and x.dtype == y.dtype
-        np.testing.assert_array_equal(bits(x), bits(y))
-    assert not np.asarray(got[2][2]).any() and not np.asarray(got[0][2].astype(jnp.float32)).any()
-
-
 def _lowered_calls(monkeypatch, numerics, state_dtype=jnp.bfloat16, pooled=False,
                    checkpoint_every=None):
     monkeypatch.setattr(jax_kda.api, "_require_kernels", lambda: None)  # lowering needs no library

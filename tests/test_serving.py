@@ -807,6 +807,29 @@ def test_decode_with_per_sequence_states_uses_identity_rows(kernel_lowering):
     assert outs[2] == _tensor((0, t, H, 128, 128), F32) and aliases == {(1, 8)}
 
 
+@pytest.mark.parametrize("intermediate", [False, True])
+@pytest.mark.parametrize("indexed", [False, True], ids=["states", "pool"])
+def test_fp32_decode_is_one_fused_call(kernel_lowering, indexed, intermediate):
+    """kda_decode(numerics="fp32") is one jax_kda_decode_fp32_v1 call (no prefill kernels, no
+    packed prefixes for intermediate states), the pool aliased in place; per-sequence states
+    read identity rows."""
+    from jax_kda.contract import DECODE_FP32_TARGET
+
+    S = jax.ShapeDtypeStruct
+    N, t, P = 3, 4, 7
+    rows = P if indexed else N
+    extra = {"state_indices": S((N,), I32)} if indexed else {}
+    text = kernel_lowering(partial(jax_kda.kda_decode, backend="kernel", numerics="fp32",
+                                   output_intermediate_states=intermediate),
+                           **_avals(N, t), state=S((rows, H, 128, 128), F32), **extra)
+    calls = _kda_calls(text)
+    assert set(calls) == {DECODE_FP32_TARGET}
+    ins, outs, aliases, config = calls[DECODE_FP32_TARGET]
+    assert ins[7] == _tensor((N,), I32) and ins[8] == _tensor((rows, H, 128, 128), F32)
+    assert outs[2] == _tensor((N if intermediate else 0, t, H, 128, 128), F32)
+    assert aliases == {(1, 8)} and _attr(config, "inverse") == "0 : i32"
+
+
 def test_vmap_folds_pools_into_one_kernel_call(kernel_lowering):
     """vmap over 3 pools: one decode call on 3 * N sequences and a 3 * P-row pool; one prepare and
     one pool recurrence for packed prefill with checkpoints (3 * capacity rows)."""
