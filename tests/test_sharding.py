@@ -231,6 +231,36 @@ def test_pools_checkpoints_and_decode_shard_over_heads():
 
 
 @on_virtual_devices
+@pytest.mark.parametrize("numerics", ["flashkda", "fp32"])
+def test_plain_jit_kernel_decode_runs_on_local_heads(monkeypatch, numerics):
+    """kda_decode's kernel path (each mode's fused decode; here the reference stands in for it,
+    so it runs on CPU) gets H / devices heads and its rows of a head-sharded pool, with
+    intermediate states: bitwise the unsharded step, no collectives."""
+    heads = []
+
+    def core(*arrays, problem):
+        heads.append(arrays[0].shape[2])
+        return jax_kda._reference_path.decode(*arrays, problem=problem)
+
+    monkeypatch.setattr(api, "_require_kernels", lambda: None)
+    monkeypatch.setattr(jax_kda._kernel_path, "decode", core)
+    mesh = head_mesh()
+    specs = jax_kda.sharding.head_specs("tp")
+    step = make_args(b=3, t=3, seed=12)
+    del step["initial_state"]
+    pool = random_states(np.random.default_rng(13), 5, H, jnp.float32, scale=1.0)
+    idx = jnp.asarray([4, -1, 1], jnp.int32)
+    decode = jax.jit(partial(jax_kda.kda_decode, state_indices=idx, numerics=numerics,
+                             output_intermediate_states=True, backend="kernel"))
+    want = decode(**step, state=pool)
+    sharded_pool = jax.device_put(pool, NamedSharding(mesh, specs["initial_state"]))
+    got, hlo = run_compiled(decode, **put_head_sharded(step, mesh), state=sharded_pool)
+    assert_bits(got, want)
+    assert H // DEVICES in heads, heads
+    assert not [c for c in COLLECTIVES if c in hlo]
+
+
+@on_virtual_devices
 def test_errors_name_the_problem():
     mesh = head_mesh()
     not_divisible = rf"H = 6 must be a multiple of the size of mesh axis 'tp' \({DEVICES}\)"
