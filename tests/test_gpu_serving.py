@@ -474,7 +474,7 @@ _GRAPH_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jax_kda
 
-    path, seed, backend = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    path, seed, backend, numerics = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     rng = np.random.default_rng(seed)
     N, P, H, t = 4, 7, 6, 3
     bf = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32), jnp.bfloat16)
@@ -488,9 +488,9 @@ _GRAPH_SCRIPT = textwrap.dedent("""
     pool0 = np.asarray(rng.standard_normal((P, H, 128, 128), dtype=np.float32) * 0.1)
     idx = jnp.asarray([5, -1, 0, 2], jnp.int32)
     decode = jax.jit(partial(jax_kda.kda_decode, output_intermediate_states=True,
-                             backend=backend), donate_argnames="state")
+                             backend=backend, numerics=numerics), donate_argnames="state")
     prefill = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, checkpoint_every=16,
-                              backend=backend))
+                              backend=backend, numerics=numerics))
     results = {}
     for rep in range(3):
         pool = jnp.asarray(pool0)
@@ -511,21 +511,25 @@ _GRAPH_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_graph_script(tmp_path, name, xla_flags, seed):
+def run_graph_script(tmp_path, name, xla_flags, seed, numerics):
     env = dict(os.environ, XLA_FLAGS=xla_flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     path = tmp_path / f"{name}.npz"
-    run = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(path), str(seed), BACKEND],
+    run = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(path), str(seed), BACKEND,
+                          numerics],
                          env=env, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return dict(np.load(path)), json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_command_buffers_give_the_same_bits(tmp_path, rng):
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_command_buffers_give_the_same_bits(tmp_path, rng, numerics):
     seed = int(rng.integers(2**31))
-    plain, _ = run_graph_script(tmp_path, "plain", "--xla_gpu_enable_command_buffer=", seed)
+    plain, _ = run_graph_script(tmp_path, "plain", "--xla_gpu_enable_command_buffer=", seed,
+                                numerics)
     graphs, info = run_graph_script(
         tmp_path, "graphs",
-        "--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1", seed)
+        "--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1", seed,
+        numerics)
     assert plain.keys() == graphs.keys() and len(plain) == 3 * (2 * 4 + 3)
     for key in plain:
         assert_bits(graphs[key], plain[key], key)
