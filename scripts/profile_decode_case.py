@@ -1,7 +1,8 @@
 """Decode steps of one shape, for Nsight Compute / Nsight Systems: where a step's time goes
 (the kernel against launch and dispatch). Environment knobs: PROFILE_SEQS (N, default 64),
 PROFILE_HEADS (default 12), PROFILE_TOKENS (t, default 1), PROFILE_POOL ("bf16" | "f32"),
-PROFILE_NUMERICS ("flashkda" | "fp32"), PROFILE_CALLS (steps after the first, default 0)."""
+PROFILE_NUMERICS ("flashkda" | "fp32"), PROFILE_ROWS ("random": N of 2N pool rows in a random
+order, the default | "sorted": rows 0..N-1), PROFILE_CALLS (steps after the first, default 0)."""
 
 import os
 
@@ -27,7 +28,9 @@ args = {"q": bf16(N, t, H, 128), "k": bf16(N, t, H, 128), "v": bf16(N, t, H, 128
         "A_log": jnp.asarray(rng.uniform(-2, 1, H), jnp.float32),
         "dt_bias": jnp.asarray(rng.standard_normal((H, 128)), jnp.float32)}
 pool = jnp.asarray(0.1 * rng.standard_normal((2 * N, H, 128, 128), dtype=np.float32), pool_dtype)
-rows = jnp.asarray(rng.permutation(2 * N)[:N], jnp.int32)  # random order, as a server's pool
+rows = {"random": rng.permutation(2 * N)[:N],  # as a server's pool
+        "sorted": np.arange(N)}[os.environ.get("PROFILE_ROWS", "random")]
+rows = jnp.asarray(rows, jnp.int32)
 step = jax.jit(lambda a, p: jax_kda.kda_decode(**a, state=p, state_indices=rows,
                                                numerics=numerics, backend="kernel"),
                donate_argnums=1)
