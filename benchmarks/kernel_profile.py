@@ -2,11 +2,14 @@
 steps (jax.grad of benchmarks/training_step.py's loss, or its value_and_grad), summed by kernel
 name, per step.
 
-    python benchmarks/kernel_profile.py --heads 12 --seqlen 8192 --variant backward
+    python benchmarks/kernel_profile.py --heads 12 --seqlen 8192 --variant backward [--hlo bwd.hlo]
 
 Prints the kernels that take most of the time (name, launches per step, microseconds per step,
-share of the step's kernel time) and writes every kernel's row to --out. Kernel time is the sum of
-the kernels' durations on the device, without the gaps between them.
+share of the step's kernel time) and writes every kernel's row to --out; --hlo writes the compiled
+program's HLO text, where a fusion's name (with "." for its last "_") shows its ops and shapes.
+Kernel time is the sum of the kernels' durations on the device, without the gaps between them;
+XLA launches its fusions with programmatic dependent launch, so durations overlap and their sum
+exceeds the step's wall time: read shares, not sums.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=None)
+    p.add_argument("--hlo", default=None,
+                   help="also write the compiled program's HLO text here (fusion names to ops)")
     args = p.parse_args(argv)
     rng = np.random.default_rng(args.heads)
     x = make_inputs(rng, args.seqlen, args.heads, args.packed)
@@ -59,6 +64,9 @@ def main(argv=None):
                                  jax.numpy.float32))
     step = jax.jit(variants(weights, packed_cu_seqlens(args.seqlen, args.packed))[args.variant])
     jax.block_until_ready(step(x))
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(step.lower(x).compile().as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(args.steps):

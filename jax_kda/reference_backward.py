@@ -49,7 +49,7 @@ is an f32 dot at precision HIGHEST (no TF32); 2^x is exp2.
 
 4. Chunk-parallel gradients (every chunk at once, from S_c, v - P, dS_{c+1}, du):
      u, U from v - P as in 2;
-     dqd = dout S_c,  dp = Diag(b) du,  dv = dp,  dkd = -dp S_c,  dkr = U dS_{c+1},
+     dp = Diag(b) du,  dv = dp,  [dqd; dkd] = [dout; -dp] S_c,  dkr = U dS_{c+1},
      dgt[k] = sum_j S_c[j, k] dS_{c+1}[j, k],
      dL = -strict(du U^T),  dA = Diag(b) dL,  dMqk = causal(dout U^T),
      db_r = sum_j du[r, j] (v - P)[r, j] + sum_c dL[r, c] A[r, c],
@@ -482,9 +482,12 @@ def chunk_gradients(f: ChunkFactors, d_out, states, residual, dS_after, du, *,
                     scale) -> ChunkGradients:
     """Step 4, all chunks at once (residual: v - P of step 2)."""
     U = _update_of(f, residual)
-    dqd = _dot("...rv,...vk->...rk", d_out, states)
     dp = f.b[..., None] * du
-    dkd = -_dot("...rv,...vk->...rk", dp, states)
+    # [dqd; dkd] = [dout; -dp] S_c: one product, so each saved state is read once (and no other
+    # product shares an operand with it: XLA's GPU dot merger would otherwise concatenate the
+    # saved states with U^T to merge dout S_c with dout U^T)
+    dqd_dkd = _dot("...rv,...vk->...rk", jnp.concatenate([d_out, -dp], axis=-2), states)
+    dqd, dkd = dqd_dkd[..., :CHUNK, :], dqd_dkd[..., CHUNK:, :]
     dkr = _dot("...rv,...vk->...rk", U, dS_after)
     dgt = _dot("...vk,...vk->...k", states, dS_after)
     strict = _strict_lower()

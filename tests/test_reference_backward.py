@@ -171,3 +171,31 @@ def test_packed_sequences_match_each_sequence_alone():
         assert np.all(np.asarray(packed[i][:, cu[-1]:]) == 0), NAMES[i]
     for total, got, name in zip(sums, (packed.dA_log, packed.ddt_bias), NAMES[5:7]):
         assert gradients.rel_rmse(got, total.astype(np.float64)) <= 1e-5, name
+
+
+def test_each_saved_state_feeds_one_matrix_product():
+    """Step 4 reads the saved states S_c through one product, [dout; -dp] S_c, and through the
+    dgt contraction with dS_{c+1}: no second product over them (on the GPU each is a pass over
+    128 KiB per chunk and head, and XLA's dot merger concatenated the states with U^T to merge
+    dout S_c with dout U^T when dqd and dkd were separate products)."""
+    rng = np.random.default_rng(5)
+    N, C = 1, 3
+    f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    rows = lambda: f32(N, H, C, 16, 128)
+    f = reference_backward.chunk_factors(
+        rows(), rows(), rows(), f32(N, H, C, 16), f32(H), f32(H, 128),
+        jnp.ones((N, H, C, 16), bool), scale=128**-0.5, lower_bound=-5.0)
+    states, dS_after = f32(N, H, C, 128, 128), f32(N, H, C, 128, 128)
+
+    def step4(states, dS_after):
+        return reference_backward.chunk_gradients(f, rows(), states, rows(), dS_after, rows(),
+                                                  scale=128**-0.5)
+
+    jaxpr = jax.make_jaxpr(step4)(states, dS_after).jaxpr
+    state_var = jaxpr.invars[0]
+    readers = [e for e in jaxpr.eqns if state_var in e.invars]
+    products = [e for e in readers if e.primitive.name == "dot_general"]
+    assert {e.primitive.name for e in readers} == {"dot_general"}, readers
+    # one product with 32 rows per chunk ([dout; -dp] S_c) and the dgt contraction
+    assert len(products) == 2, [e.outvars[0].aval.shape for e in products]
+    assert any(e.outvars[0].aval.shape[-2:] == (32, 128) for e in products)
