@@ -173,6 +173,23 @@ def test_packed_sequences_match_each_sequence_alone():
         assert gradients.rel_rmse(got, total.astype(np.float64)) <= 1e-5, name
 
 
+def _primitive_readers(jaxpr, var):
+    """The primitive equations that read `var`, looking through nested jaxprs (pjit, ...)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if var not in eqn.invars:
+            continue
+        inner = eqn.params.get("jaxpr")
+        if inner is None:
+            found.append(eqn)
+            continue
+        inner = getattr(inner, "jaxpr", inner)
+        for position, operand in enumerate(eqn.invars):
+            if operand is var:
+                found += _primitive_readers(inner, inner.invars[position])
+    return found
+
+
 def test_each_saved_state_feeds_one_matrix_product():
     """Step 4 reads the saved states S_c through one product, [dout; -dp] S_c, and through the
     dgt contraction with dS_{c+1}: no second product over them (on the GPU each is a pass over
@@ -192,8 +209,7 @@ def test_each_saved_state_feeds_one_matrix_product():
                                                   scale=128**-0.5)
 
     jaxpr = jax.make_jaxpr(step4)(states, dS_after).jaxpr
-    state_var = jaxpr.invars[0]
-    readers = [e for e in jaxpr.eqns if state_var in e.invars]
+    readers = _primitive_readers(jaxpr, jaxpr.invars[0])
     products = [e for e in readers if e.primitive.name == "dot_general"]
     assert {e.primitive.name for e in readers} == {"dot_general"}, readers
     # one product with 32 rows per chunk ([dout; -dp] S_c) and the dgt contraction
