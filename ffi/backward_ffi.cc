@@ -1,10 +1,9 @@
 // XLA FFI handler of the backward pass's serial chains (docs/kernel_abi.md):
-//   jax_kda_state_chains_v2   reset_f, init_f, reset_r, init_r, gamma, A_f, B_f, Y_f, A_r, B_r,
+//   jax_kda_state_chains_v1   reset_f, init_f, reset_r, init_r, gamma, A_f, B_f, Y_f, A_r, B_r,
 //                             Y_r -> states_f, z_f, states_r, z_r
 //                             (both chains in one launch: f the forward state recompute, 16 rows
 //                             per chunk; r the reverse state-gradient chain, 32; every operand
-//                             f32 except the resets, int32; A and B as split tf32 pairs, 256
-//                             words per row: docs/kernel_abi.md)
+//                             f32 except the resets, int32)
 // Stages as in kda_ffi.cc: instantiate loads the specialisation on every device XLA already uses,
 // initialize on the stream's device, execute only validates shapes and launches (CUDA-graph safe).
 #include <cuda_runtime.h>
@@ -66,11 +65,11 @@ ffi::Error StateChainsExecute(cudaStream_t stream, S32 reset_f, F32 init_f, S32 
   JAX_KDA_RETURN_IF(CheckOperand(call, "init_r", init_r, {init_r_dims[0], h, d, d}, 2,
                                  &args.init_r));
   JAX_KDA_RETURN_IF(CheckOperand(call, "gamma", gamma, {n, h, c, d}, 3, &args.gamma));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "A_f", a_f, {n, h, c, kChunk, 2 * d}, 3, &args.a_f));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "B_f", b_f, {n, h, c, rf, 2 * d}, 3, &args.b_f));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "A_f", a_f, {n, h, c, kChunk, d}, 3, &args.a_f));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "B_f", b_f, {n, h, c, rf, d}, 3, &args.b_f));
   JAX_KDA_RETURN_IF(CheckOperand(call, "Y_f", y_f, {n, h, c, rf, d}, 3, &args.y_f));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "A_r", a_r, {n, h, c, kChunk, 2 * d}, 3, &args.a_r));
-  JAX_KDA_RETURN_IF(CheckOperand(call, "B_r", b_r, {n, h, c, rr, 2 * d}, 3, &args.b_r));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "A_r", a_r, {n, h, c, kChunk, d}, 3, &args.a_r));
+  JAX_KDA_RETURN_IF(CheckOperand(call, "B_r", b_r, {n, h, c, rr, d}, 3, &args.b_r));
   JAX_KDA_RETURN_IF(CheckOperand(call, "Y_r", y_r, {n, h, c, rr, d}, 3, &args.y_r));
   JAX_KDA_RETURN_IF(CheckOperand(call, "states_f (result)", *states_f, {n, h, c, d, d}, 3,
                                  &args.states_f));
@@ -116,4 +115,4 @@ auto StateChainsBinding() {
 }  // namespace
 }  // namespace jax_kda
 
-JAX_KDA_HANDLERS(JaxKdaStateChainsV2, StateChains)
+JAX_KDA_HANDLERS(JaxKdaStateChainsV1, StateChains)

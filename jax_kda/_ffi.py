@@ -37,7 +37,7 @@ _HANDLER_NAMES = {  # custom-call target -> exported handler name (+ stage)
     contract.RECURRENCE_FP32_TARGET: "JaxKdaRecurrenceFp32V1",
     contract.RECURRENCE_FP32_POOL_TARGET: "JaxKdaRecurrenceFp32PoolV1",
     contract.DECODE_FP32_TARGET: "JaxKdaDecodeFp32V1",
-    contract.STATE_CHAIN_TARGET: "JaxKdaStateChainsV2",
+    contract.STATE_CHAIN_TARGET: "JaxKdaStateChainsV1",
 }
 _HANDLER_SYMBOLS = {
     target: {stage: name + stage.capitalize() for stage in ("instantiate", "initialize", "execute")}
@@ -391,45 +391,12 @@ class ChainOperands(NamedTuple):
     Y: jax.Array
 
 
-def tf32_split(x):
-    """x (f32) as hi + lo, both tf32 values in f32 words (the low 13 bits zero): hi = x rounded
-    to tf32, lo = (x - hi) rounded to tf32, each to nearest with ties away from zero (the bits
-    plus 2^12, masked). hi + lo is x to 2^-21 relative; the chain kernel rounds its own operands
-    the same way (jax_kda/kernels/ptx.py, split_tf32)."""
-
-    def round_tf32(y):
-        bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
-        return jax.lax.bitcast_convert_type((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000),
-                                            jnp.float32)
-
-    hi = round_tf32(x)
-    return hi, round_tf32(x - hi)
-
-
-def split_key_pairs(a):
-    """A [..., 16, 128] f32 -> [..., 16, 256]: per row and key pair p, (hi[2p], hi[2p + 1],
-    lo[2p], lo[2p + 1]) (docs/kernel_abi.md, custom call 7)."""
-    hi, lo = tf32_split(a)
-    pairs = lambda x: x.reshape(x.shape[:-1] + (HEAD_DIM // 2, 2))
-    return jnp.stack([pairs(hi), pairs(lo)], axis=-2).reshape(a.shape[:-1] + (2 * HEAD_DIM,))
-
-
-def split_row_pairs(b):
-    """B [..., R, 128] f32 -> [..., R, 256], read as [..., R / 2, 512]: per row pair q and key k,
-    (hi[2q, k], hi[2q + 1, k], lo[2q, k], lo[2q + 1, k]) (docs/kernel_abi.md, custom call 7)."""
-    hi, lo = tf32_split(b)
-    rows = lambda x: x.reshape(x.shape[:-2] + (x.shape[-2] // 2, 2, HEAD_DIM))
-    both = jnp.stack([rows(hi), rows(lo)], axis=-1)  # [..., R / 2, 2 (row), 128, 2 (hi, lo)]
-    return jnp.swapaxes(both, -1, -3).swapaxes(-2, -3).reshape(b.shape[:-1] + (2 * HEAD_DIM,))
-
-
 def state_chains_call(gamma, forward: ChainOperands, reverse: ChainOperands):
     """The backward pass's two state chains in one launch (docs/kernel_abi.md,
     jax_kda/kernels/state_chain.py): gamma f32 [N, H, C, 128] shared; the forward chain with
-    R = contract.FORWARD_CHAIN_ROWS, the reverse one with contract.REVERSE_CHAIN_ROWS; A and B f32
-    as they are (split into the kernel's tf32 pairs here). Returns (states, z) of each chain: the
-    state entering every chunk f32 [N, H, C, 128, 128] and Z's first 16 rows f32
-    [N, H, C, 16, 128]."""
+    R = contract.FORWARD_CHAIN_ROWS, the reverse one with contract.REVERSE_CHAIN_ROWS. Returns
+    (states, z) of each chain: the state entering every chunk f32 [N, H, C, 128, 128] and Z's
+    first 16 rows f32 [N, H, C, 16, 128]."""
     num_rows, heads, chunks = gamma.shape[:3]
     _expect("gamma", gamma, jnp.float32, (num_rows, heads, chunks, HEAD_DIM))
     for tag, ops, rows in (("f", forward, contract.FORWARD_CHAIN_ROWS),
@@ -444,9 +411,8 @@ def state_chains_call(gamma, forward: ChainOperands, reverse: ChainOperands):
     z = jax.ShapeDtypeStruct((num_rows, heads, chunks, contract.CHUNK, HEAD_DIM), jnp.float32)
     call = jax.ffi.ffi_call(contract.STATE_CHAIN_TARGET, (states, z, states, z))
     states_f, z_f, states_r, z_r = call(
-        forward.reset, forward.init, reverse.reset, reverse.init, gamma,
-        split_key_pairs(forward.A), split_row_pairs(forward.B), forward.Y,
-        split_key_pairs(reverse.A), split_row_pairs(reverse.B), reverse.Y)
+        forward.reset, forward.init, reverse.reset, reverse.init, gamma, forward.A, forward.B,
+        forward.Y, reverse.A, reverse.B, reverse.Y)
     return (states_f, z_f), (states_r, z_r)
 
 

@@ -92,7 +92,7 @@ DECODE_FP32_TARGET = "jax_kda_decode_fp32_v1"
 # The backward pass's serial chains, both in one custom call: a chunked f32 state recurrence
 # (jax_kda/kernels/state_chain.py) with R rows per chunk, the forward state recompute (chunks first
 # to last) and the reverse state-gradient chain (chunks last to first).
-STATE_CHAIN_TARGET = "jax_kda_state_chains_v2"
+STATE_CHAIN_TARGET = "jax_kda_state_chains_v1"
 FORWARD_CHAIN_ROWS = 16
 REVERSE_CHAIN_ROWS = 32
 CUSTOM_CALL_TARGETS = (PREPARE_TARGET, RECURRENCE_TARGET, RECURRENCE_POOL_TARGET, DECODE_TARGET,

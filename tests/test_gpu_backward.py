@@ -90,7 +90,7 @@ def test_chain_kernel_vmap_is_one_launch(rng):
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
     run = jax.jit(jax.vmap(_state_chain.state_chains))
     text = run.lower(*stacked).as_text()
-    assert text.count("custom_call @jax_kda_state_chains_v2(") == 1
+    assert text.count("custom_call @jax_kda_state_chains_v1(") == 1
     got = run(*stacked)
     for i, xs in enumerate(parts):
         want = jax.jit(_state_chain.state_chains)(*xs)

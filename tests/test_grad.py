@@ -175,7 +175,7 @@ def test_kernel_backend_gradient_lowers_to_the_forward_kernels(monkeypatch):
         text = jax.jit(transform(f)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @jax_kda_prepare_v1(") == calls, transform
         assert text.count("custom_call @jax_kda_recurrence_v1(") == calls, transform
-        assert text.count("custom_call @jax_kda_state_chains_v2(") == 1, transform
+        assert text.count("custom_call @jax_kda_state_chains_v1(") == 1, transform
 
 
 def test_checkpoint_policies_keep_or_drop_the_named_inputs(monkeypatch):

@@ -81,7 +81,7 @@ def test_vmap_folds_into_one_launch(modelled_launch, monkeypatch):
     got = jax.jit(vmapped)(*stacked)
     monkeypatch.undo()  # lowered with the real launch: one custom call, the 3 x 2 rows folded
     jax.clear_caches()
-    launches = re.findall(r"custom_call @jax_kda_state_chains_v2\(.*",
+    launches = re.findall(r"custom_call @jax_kda_state_chains_v1\(.*",
                           jax.jit(vmapped).lower(*stacked).as_text())
     assert len(launches) == 1 and "tensor<6x4x5x128x128xf32>" in launches[0], launches
     for i, xs in enumerate(parts):
@@ -113,30 +113,3 @@ def test_rows_and_heads_stay_sharded(modelled_launch):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
                                                          atol=1e-6),
                  got, state_chains_model(*unflat(args)))
-
-
-def test_operands_reach_the_kernel_as_tf32_pairs(rng):
-    """The FFI call splits A and B (jax_kda._ffi.tf32_split) into the kernel's layouts
-    (docs/kernel_abi.md, custom call 7): hi and lo are tf32 words (low 13 bits zero), hi is x
-    rounded to nearest, hi + lo is x to 2^-21 relative, and every word sits where the kernel's
-    fragment loads expect it."""
-    scales = np.exp2(rng.integers(-60, 20, (2, 32, 128)))  # tiny and large elements alike
-    x = jnp.asarray(rng.standard_normal((2, 32, 128)) * scales, jnp.float32)
-    hi, lo = (np.asarray(v) for v in _ffi.tf32_split(x))
-    xs = np.asarray(x, np.float64)
-    for word in (hi, lo):
-        assert not np.any(word.view(np.uint32) & 0x1FFF)
-    ulp = np.exp2(np.floor(np.log2(np.abs(xs))) - 10)  # tf32 keeps 10 fraction bits
-    assert np.all(np.abs(xs - hi) <= ulp / 2)
-    assert np.all(np.abs(xs - (hi.astype(np.float64) + lo)) <= np.abs(xs) * 2.0**-21)
-
-    a = np.asarray(_ffi.split_key_pairs(x[:, :16]))  # [2, 16, 256]
-    pairs = a.reshape(2, 16, 64, 2, 2)  # row, key pair, (hi, lo), (even key, odd key)
-    np.testing.assert_array_equal(pairs[:, :, :, 0].reshape(2, 16, 128), hi[:, :16])
-    np.testing.assert_array_equal(pairs[:, :, :, 1].reshape(2, 16, 128), lo[:, :16])
-
-    b = np.asarray(_ffi.split_row_pairs(x))  # [2, 32, 256] read as [2, 16, 512]
-    quads = b.reshape(2, 16, 128, 2, 2)  # row pair, key, (hi, lo), (even row, odd row)
-    for half, want in ((0, hi), (1, lo)):
-        got = np.moveaxis(quads[:, :, :, half], -1, -2).reshape(2, 32, 128)
-        np.testing.assert_array_equal(got, want)

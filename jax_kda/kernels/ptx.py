@@ -556,53 +556,6 @@ def mma_bf16_16816(a, b, c, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def mma_tf32_1688(a, b, c, *, loc=None, ip=None):
-    """D = A.B + C, m16n8k8, tf32 inputs, f32 accumulate. a: 4 Int32, b: 2 Int32 (tf32 bits,
-    e.g. from split_tf32), c: 4 Float32. Fragments (g = lane // 4, t = lane % 4): a[0] = A[g][t],
-    a[1] = A[g + 8][t], a[2] = A[g][t + 4], a[3] = A[g + 8][t + 4]; b[0] = B[t][g],
-    b[1] = B[t + 4][g]; C as for m16n8k16."""
-    ops = [_i32(x, loc, ip) for x in a] + [_i32(x, loc, ip) for x in b]
-    ops += [_f32(x, loc, ip) for x in c]
-    res = _asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        ops,
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        loc,
-        ip,
-    )
-    return _unpack(res, T.f32(), 4, Float32)
-
-
-@dsl_user_op
-def split_tf32(x, *, loc=None, ip=None):
-    """split() of an f32 into two tf32 (as Int32 bits, the low 13 bits zero): hi = x rounded to
-    tf32, lo = (x - hi) rounded to tf32 (the subtraction exact, sub.rn.ftz: a subnormal
-    difference is 0), each to nearest with ties away from zero as the bits plus 2^12, masked (two
-    integer instructions, where cvt.rna.tf32.f32 is emulated by four; the same as
-    jax_kda._ffi.tf32_split). hi + lo is x to 2^-21 relative, so the three products hi.hi +
-    hi.lo + lo.hi of two split operands ("3xTF32") are f32 products to a few f32 ulps."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 2),
-        [_f32(x, loc, ip)],
-        "{\n\t.reg .b32 r, m;\n\t.reg .f32 h, d;\n\t"
-        "mov.b32 r, $2;\n\t"
-        "add.u32 r, r, 4096;\n\t"
-        "and.b32 $0, r, -8192;\n\t"
-        "mov.b32 h, $0;\n\t"
-        "sub.rn.ftz.f32 d, $2, h;\n\t"
-        "mov.b32 m, d;\n\t"
-        "add.u32 m, m, 4096;\n\t"
-        "and.b32 $1, m, -8192;\n\t}",
-        "=r,=r,f",
-        loc,
-        ip,
-    )
-    return _unpack(res, T.i32(), 2, Int32)
-
-
-@dsl_user_op
 def movmatrix_trans(x, *, loc=None, ip=None):
     """8x8 fragment of X -> 8x8 fragment of X^T, inside registers (one warp, all lanes)."""
     return _b32_op(
@@ -915,21 +868,6 @@ def ld_global_v4(gmem_addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_global_v2(gmem_addr, *, loc=None, ip=None):
-    """8 bytes from global memory (coherent path: the state buffers may alias)."""
-    res = _asm(
-        llvm.StructType.get_literal([T.i32()] * 2),
-        [_i64(gmem_addr, loc, ip)],
-        "ld.global.v2.b32 {$0, $1}, [$2];",
-        "=r,=r,l,~{memory}",
-        loc,
-        ip,
-        side_effects=True,
-    )
-    return _unpack(res, T.i32(), 2, Int32)
-
-
-@dsl_user_op
 def st_global_b32(gmem_addr, value, *, loc=None, ip=None):
     """*(u32*)addr = value."""
     _store(
@@ -988,18 +926,6 @@ def st_global_v4(gmem_addr, regs, *, loc=None, ip=None):
         [_i64(gmem_addr, loc, ip)] + [_i32(r, loc, ip) for r in regs],
         "st.global.v4.b32 [$1], {$2, $3, $4, $5};",
         "l,r,r,r,r",
-        loc,
-        ip,
-    )
-
-
-@dsl_user_op
-def st_global_v2_f32(gmem_addr, values, *, loc=None, ip=None):
-    """Two f32 (their bits as they are) to 8 bytes of global memory."""
-    _store(
-        [_i64(gmem_addr, loc, ip)] + [_f32(x, loc, ip) for x in values],
-        "st.global.v2.f32 [$1], {$2, $3};",
-        "l,f,f",
         loc,
         ip,
     )

@@ -1,6 +1,6 @@
 """The serial chains of the backward pass (jax_kda.reference_backward, steps 2 and 3) as one GPU
 kernel: both chunked linear recurrences of a 128 x 128 f32 state side by side in one launch,
-column split, state in registers, every product on tensor cores as three TF32 MMAs ("3xTF32").
+column split, state in registers.
 
 Per chain (row n, head h), with X [128 (v), 128 (k)] and chunks c in the chain's order:
 
@@ -17,34 +17,32 @@ c = C - 1, .., 0) is the state gradient's: A = W^T kr, Y = [-W^T Mqk^T dout; dou
 B = [Diag(b) kd; qd], gamma = gt, so Z[:16] is -du. jax_kda.reference_backward builds the
 operands. The two chains share gamma; each has its own reset, init, A, B, Y and results.
 
-Arithmetic. Every product of two f32 matrices is split(a) x split(b) on
-`mma.sync.m16n8k8.tf32` (ptx.split_tf32: a = hi + lo, hi and lo tf32, exact to 2^-22 relative),
-as the three MMAs lo.hi, hi.lo, hi.hi into one f32 accumulator in that order (lo.lo, below
-2^-22 of the product, is dropped). Per warp (16 value rows of one chain's state):
-  * P^T [16 (v), 16 (r)] = X A^T: per r-tile of 8, four accumulators from zero, quarter q
-    taking the key tiles 4 q .. 4 q + 3 in order (three MMAs each); P = (q0 + q1) + (q2 + q3).
-  * Z^T = Y^T - P^T (one f32 subtraction), then X = X * gamma[k] (one f32 multiply) and the
-    update's MMAs accumulate onto it: r-tiles of 8 rows ascending, each key tile's three MMAs.
-The same instructions run for every value row and chunk, and there is one launch shape, so the
-results are bitwise equal run to run. Against an f32 FMA evaluation they differ by the
-accumulators' order and the dropped lo.lo term: a few f32 ulps per product
-(tests/test_gpu_backward.py bounds the states' and z's relative RMSE).
+Arithmetic (f32, .rn.ftz, the order fixed, so results are bitwise run to run; there is one launch
+shape, so no launch choice changes them):
+  * P[r, v]: each lane's fma chain over its four keys (4 l .. 4 l + 3) from zero; then the sum
+    over the 32 lanes of a warp by recursive halving (xor 16, 8, 4, 2, 1: at each step a lane
+    keeps half of its partial sums and adds its partner's), which leaves lane l with P of row
+    l // 2 for two of the warp's value rows.
+  * X[v, k] = fma chain over r = 0 .. R - 1 of Z[r, v] B[r, k], started from X[v, k] * gamma[k].
 
-Layout. Task = (16 WARPS value rows, chain, head, row n), grid (2 SLICES, H, N): x < SLICES the
-forward chain's value rows BLOCK_V x .., the others the reverse chain's; WARPS warps, warp w
-owning the value rows v0 + 16 w .. + 15. The state lives in the warp's registers as the
-m16n8 accumulator of X [16 (v), 8 (k)] per key tile kt (64 f32 per lane): lane (g, t) holds
-X[g, 8 kt + 2t], X[g, 8 kt + 2t + 1], X[g + 8, 8 kt + 2t], X[g + 8, 8 kt + 2t + 1]. An
-accumulator tile is an MMA's A operand for a K of 8 whose logical columns t and t + 4 are the
-physical columns 2t and 2t + 1, so X feeds P = A X^T (K = the keys) and Z^T feeds the update
-(K = the rows r) straight from registers, and the B operands (A's rows, B's rows) are read from
-shared memory in the same column order. No state goes through shared memory.
+Task = (8 value rows, chain, head, row n), grid (32, H, N): x < 16 the forward chain's value rows
+8 x .., x >= 16 the reverse chain's 8 (x - 16) ..; 64 threads. Both chains in one launch run
+side by side on otherwise idle SMs (each alone occupies 16 H N CTAs of 2 warps). Thread (warp w,
+lane l) holds the state's value rows v0 + 4 w .. v0 + 4 w + 3 at keys 4 l .. 4 l + 3 in
+registers (16 elements). Every shared load of an operand row is one 16-byte load per lane over
+the whole 512-byte row, so each loaded element feeds four value rows, and every state store is a
+full 512-byte run per warp. Z reaches the lanes through a 256-byte shared buffer per warp
+(written by the owner lanes, read back as four value rows per row).
 
-Shared memory: a ring of two stages (chunk c is read while chunk c + 1 is copied in by bulk
-copies completing on the stage's mbarrier), each gamma [128] | A [16, 128] | B [32, 128] | Y [32,
-BLOCK_V] (rows padded so that every fragment load is free of bank conflicts), f32, 30,720 bytes
-(the forward chain fills 16 of the 32 rows of B and Y): 61,456 bytes with the mbarriers, so three
-CTAs fit an SM. The reset index of the next chunk is read from global memory while a chunk runs.
+Both chains run the same code: which one a CTA runs (its operands, R, its direction) is chosen
+once from blockIdx.x, and the reverse chain's update rows 16 .. 31 are a branch uniform over the
+CTA.
+
+Shared memory: a ring of two stages (chunk c is read while chunk c + 1 is copied in with
+cp.async), each gamma [128] | A [16, 128] | Y [32, 8 columns of this CTA] | B [32, 128], f32,
+26,112 bytes (the forward chain fills 16 of the 32 rows of Y and B); then the two warps' Z
+buffers: 52,736 bytes, so four CTAs fit an SM. The reset index of the next chunk is read from
+global memory while a chunk runs.
 
 No bounds to trust: the grid covers [N, H] exactly from the tensors' shapes, chunk loops run over
 [0, C), and a reset index outside [0, Ni) reads nothing.
@@ -61,37 +59,27 @@ from .compile_utils import compile_for_arch, fake_stream, fake_tensor, symbol
 
 D = contract.HEAD_DIM
 CHUNK = contract.CHUNK
-TILE_V = 16  # value rows per warp: the MMA's M
-WARPS = 2
-BLOCK_V = WARPS * TILE_V  # value rows per CTA
+BLOCK_V = 8  # value rows per CTA
 SLICES = D // BLOCK_V  # CTAs per chain
-THREADS = 32 * WARPS
-KEY_TILES = D // 8  # the state's n-tiles, P's k-steps
-QUARTERS = 4  # P's accumulators per r-tile
+WARP_ROWS = 4  # value rows per warp (and per thread)
+KEYS = 4  # keys per lane: 32 lanes cover the 128 keys
+THREADS = 32 * BLOCK_V // WARP_ROWS
 STAGES = 2
 ROWS_F, ROWS_R = contract.FORWARD_CHAIN_ROWS, contract.REVERSE_CHAIN_ROWS
-# a stage: gamma [128] | A [16 rows, 256 words] | B [R / 2 row pairs, 512 words] | Y [R, BLOCK_V],
-# laid out for the reverse chain's R (A and B as split tf32 pairs, docs/kernel_abi.md). Row
-# pitches: A's 16-byte loads (rows g, two per quarter-warp) land 64 bytes apart mod 128, B's
-# (row pairs t, keys g) 32 bytes apart per row pair, Y's 4-byte loads (rows 2t, columns g) 8
-# banks apart.
-A_PITCH = 2 * D * 4 + 64
-B_PITCH = 4 * D * 4 + 32
-Y_PITCH = (BLOCK_V + 4) * 4
+# a stage: gamma [128] | A [16, 128] | Y [R, 8] | B [R, 128], laid out for the reverse chain's R
 A_OFF = D * 4
-B_OFF = A_OFF + CHUNK * A_PITCH
-Y_OFF = B_OFF + ROWS_R // 2 * B_PITCH
-STAGE_BYTES = Y_OFF + ROWS_R * Y_PITCH
-BAR_OFF = STAGES * STAGE_BYTES
-SMEM_BYTES = BAR_OFF + STAGES * 8
+Y_OFF = A_OFF + CHUNK * D * 4
+B_OFF = Y_OFF + ROWS_R * BLOCK_V * 4
+STAGE_BYTES = B_OFF + ROWS_R * D * 4
+Z_BYTES = CHUNK * WARP_ROWS * 4  # a warp's Z buffer: [16 rows, 4 value rows] f32
+SMEM_BYTES = STAGES * STAGE_BYTES + (THREADS // 32) * Z_BYTES
 
 
 class KdaStateChains:
     """Host entry + device kernel. Layouts (compact row-major, f32 unless said), per chain
-    (F: forward, R: reverse): reset int32 [N, C]; init [Ni, H, 128, 128]; A [N, H, C, 16, 256]
-    and B [N, H, C, R, 256] as split tf32 pairs (docs/kernel_abi.md, custom call 7); Y
-    [N, H, C, R, 128]; results states [N, H, C, 128, 128] and z [N, H, C, 16, 128]; shared gamma
-    [N, H, C, 128]. N, C, H and each chain's Ni dynamic."""
+    (F: forward, R: reverse): reset int32 [N, C]; init [Ni, H, 128, 128]; A [N, H, C, 16, 128];
+    B and Y [N, H, C, R, 128]; results states [N, H, C, 128, 128] and z [N, H, C, 16, 128];
+    shared gamma [N, H, C, 128]. N, C, H and each chain's Ni dynamic."""
 
     @cute.jit
     def __call__(self, mResetF: cute.Tensor, mInitF: cute.Tensor, mResetR: cute.Tensor,
@@ -146,194 +134,155 @@ class KdaStateChains:
         v0 = slice_idx * BLOCK_V
         first_chunk = (Int64(row) * Int64(num_heads) + Int64(head)) * Int64(num_chunks)  # (n, h)
         reset_row = reset_base + Int64(row) * Int64(num_chunks) * 4
-        operands = (mGamma.iterator.toint(), a_base, b_base, y_base + Int64(v0) * 4)
-        bars = smem + BAR_OFF
-        if tid == 0:
-            for s in cutlass.range_constexpr(STAGES):
-                ptx.mbar_init(bars + s * 8, Int32(1))
-            ptx.fence_mbarrier_init()
-        ptx.cta_barrier()
+        src = _Sources(mGamma.iterator.toint(), a_base, b_base, y_base + Int64(v0) * 4, rows,
+                       tid)
+        z_buf = smem + STAGES * STAGE_BYTES + warp * Z_BYTES
 
-        g = lane // 4
-        t = lane % 4
-        vw = v0 + TILE_V * warp  # the warp's first value row
-        x = cute.make_rmem_tensor(cute.make_layout(KEY_TILES * 4), Float32)  # accumulator tiles
-        for i in cutlass.range_constexpr(KEY_TILES * 4):
+        x = cute.make_rmem_tensor(cute.make_layout(WARP_ROWS * KEYS), Float32)  # [value, key]
+        for i in cutlass.range_constexpr(WARP_ROWS * KEYS):
             x[i] = Float32(0.0)
-        # the byte offset in a [128, 128] state of this lane's 8 bytes in key tile 0, value row
-        # g (h = 0) or g + 8 (h = 1); key tile kt is 32 bytes further each
-        elem = [(Int64(vw + g + 8 * h) * D + Int64(2 * t)) * 4 for h in range(2)]
-        # and in a [16, 128] z of accumulator element i of r-tile 0 (row 2t + i % 2, value row
-        # g + 8 (i // 2)); r-tile nr is 8 rows further
-        z_elem = [(Int64(2 * t + i % 2) * D + Int64(vw + g + 8 * (i // 2))) * 4 for i in range(4)]
+        # the byte offset in a [128, 128] state of this thread's 16 bytes of value row j
+        elem = [(Int64(v0 + WARP_ROWS * warp + j) * D + Int64(KEYS * lane)) * 4
+                for j in range(WARP_ROWS)]
+        # and in a [16, 128] z of its two values (row lane // 2, value rows 2 (lane % 2) + t)
+        z_elem = (Int64(lane // 2) * D + Int64(v0 + WARP_ROWS * warp + 2 * (lane % 2))) * 4
 
         first = reverse * (num_chunks - 1)  # the chunk visited first (num_chunks > 0)
         if num_chunks > 0:
-            _load_stage(tid, rows, first_chunk + Int64(first), smem, bars, *operands)
+            _load_stage(src, first_chunk + Int64(first), smem)
+        ptx.cp_async_commit()
         reset_next = ptx.ld_global_b32_if(reset_row + Int64(first) * 4, Int32(0), num_chunks)
         for step in range(num_chunks):
             c = step + reverse * (num_chunks - 1 - 2 * step)  # the chunk visited at `step`
             reset = reset_next
             if step + 1 < num_chunks:
                 following = c + 1 - 2 * reverse
-                nxt = (step + 1) % STAGES
-                _load_stage(tid, rows, first_chunk + Int64(following),
-                            smem + nxt * STAGE_BYTES, bars + nxt * 8, *operands)
+                _load_stage(src, first_chunk + Int64(following),
+                            smem + ((step + 1) % STAGES) * STAGE_BYTES)
                 reset_next = ptx.ld_global_b32_if(reset_row + Int64(following) * 4, Int32(0),
                                                   Int32(1))
+            ptx.cp_async_commit()
             if (reset >= 0) & (reset < num_init):
                 base = init_base + (Int64(reset) * Int64(num_heads) + Int64(head)) * (D * D * 4)
-                for kt in cutlass.range_constexpr(KEY_TILES):
-                    for h in cutlass.range_constexpr(2):
-                        w = ptx.ld_global_v2(base + elem[h] + kt * 32)
-                        for i in cutlass.range_constexpr(2):
-                            x[4 * kt + 2 * h + i] = ptx.u32_as_f32(w[i])
+                for j in cutlass.range_constexpr(WARP_ROWS):
+                    w = ptx.ld_global_v4(base + elem[j])
+                    for i in cutlass.range_constexpr(KEYS):
+                        x[KEYS * j + i] = ptx.u32_as_f32(w[i])
             chunk = first_chunk + Int64(c)
             out = states_base + chunk * (D * D * 4)
-            for kt in cutlass.range_constexpr(KEY_TILES):
-                for h in cutlass.range_constexpr(2):
-                    ptx.st_global_v2_f32(out + elem[h] + kt * 32,
-                                         [x[4 * kt + 2 * h], x[4 * kt + 2 * h + 1]])
-            cur = step % STAGES
-            ptx.mbar_wait(bars + cur * 8, (step // STAGES) % 2)  # chunk c's stage has landed
-            stage = smem + cur * STAGE_BYTES
-            z = _residual(stage, x, g, t, warp)
-            z_out = z_base + chunk * (CHUNK * D * 4)
-            for nr in cutlass.range_constexpr(2):
-                for i in cutlass.range_constexpr(4):
-                    ptx.st_global_f32(z_out + z_elem[i] + nr * (8 * D * 4), z[4 * nr + i])
-            _scale_by_gamma(stage, x, t)
-            for rt in cutlass.range_constexpr(2):
-                _update(stage, x, [z[4 * rt + i] for i in range(4)], rt, g, t)
+            for j in cutlass.range_constexpr(WARP_ROWS):
+                ptx.st_global_v4(out + elem[j],
+                                 [ptx.f32_as_u32(x[KEYS * j + i]) for i in range(KEYS)])
+            ptx.cp_async_wait(STAGES - 1)  # this thread's copies of this chunk are done ...
+            ptx.cta_barrier()  # ... and everyone's are visible
+            stage = smem + (step % STAGES) * STAGE_BYTES
+            acc = cute.make_rmem_tensor(cute.make_layout(WARP_ROWS * KEYS), Float32)
+            z = _first_rows(stage, z_buf, x, acc, lane, warp)
             if reverse != 0:
-                _extra_rows(stage, x, g, t, warp)
+                _extra_rows(stage, acc, lane, warp)
+            for i in cutlass.range_constexpr(WARP_ROWS * KEYS):
+                x[i] = acc[i]
+            z_out = z_base + chunk * (CHUNK * D * 4) + z_elem
+            for t in cutlass.range_constexpr(2):
+                ptx.st_global_f32(z_out + 4 * t, z[t])
             ptx.cta_barrier()  # the stage is refilled by the next step
+        ptx.cp_async_wait(0)
 
 
-@cute.jit
-def _load_stage(tid: Int32, rows: Int32, chunk: Int64, stage: Int32, bar: Int32, gamma: Int64,
-                a: Int64, b: Int64, y: Int64):
-    """Bulk copies of chunk `chunk` (a flat (n, h, c) index) of the chain's operands at global
-    gamma, a, b, y (y at this CTA's first column; `rows` = R) into the stage at shared address
-    `stage`, completing on mbarrier `bar`: copy j = gamma (j = 0), A's rows (1 .. 16), B's row
-    pairs (then R / 2), Y's rows of this CTA's columns (then R); thread i issues copies i and
-    i + THREADS. Thread 0 announces the bytes and arrives (one arrival per phase)."""
-    if tid == 0:
-        ptx.mbar_expect_tx_if(bar, Int32(D * 4 + CHUNK * 2 * D * 4)
-                              + rows * (2 * D * 4 + BLOCK_V * 4), Int32(0), Int32(1))
-        ptx.mbar_arrive(bar)
-    pairs = rows // 2
-    count = 1 + CHUNK + pairs + rows
-    for k in cutlass.range_constexpr(-(-(1 + CHUNK + ROWS_R // 2 + ROWS_R) // THREADS)):
-        j = tid + k * THREADS
-        dst = stage
-        src = gamma + chunk * (D * 4)
-        nbytes = Int32(D * 4)
-        if j >= 1:
-            dst = stage + A_OFF + (j - 1) * A_PITCH
-            src = a + (chunk * CHUNK + Int64(j - 1)) * (2 * D * 4)
-            nbytes = Int32(2 * D * 4)
-        if j >= 1 + CHUNK:
-            dst = stage + B_OFF + (j - 1 - CHUNK) * B_PITCH
-            src = b + (chunk * Int64(pairs) + Int64(j - 1 - CHUNK)) * (4 * D * 4)
-            nbytes = Int32(4 * D * 4)
-        if j >= 1 + CHUNK + pairs:
-            dst = stage + Y_OFF + (j - 1 - CHUNK - pairs) * Y_PITCH
-            src = y + (chunk * Int64(rows) + Int64(j - 1 - CHUNK - pairs)) * (D * 4)
-            nbytes = Int32(BLOCK_V * 4)
-        ptx.bulk_g2s_if(dst, src, nbytes, bar, j, count)
+class _Sources:
+    """Trace-time bag: where this CTA's chain reads a chunk's operands (global addresses; y at
+    this CTA's first column), its rows per chunk R, and the copying thread."""
+
+    def __init__(self, gamma, a, b, y, rows, tid):
+        self.gamma, self.a, self.b, self.y = gamma, a, b, y
+        self.rows = rows
+        self.tid = tid
 
 
-def _extra_rows(stage, x, g, t, warp):
-    """The reverse chain's update rows 16 .. 31 (Z = Y there)."""
-    for rt in range(CHUNK // 8, ROWS_R // 8):
-        _update(stage, x, _y_tile(stage, rt, g, t, warp), rt, g, t)
+def _copy_rows(stage, base, max_rows, num_rows, tid):
+    """cp.async of num_rows (<= max_rows) whole 512-byte rows from global `base` to shared
+    `stage`."""
+    for i in range(-(-max_rows * D // 4 // THREADS)):
+        g = tid + i * THREADS
+        ptx.cp_async_16_if(stage + g * 16, base + Int64(g) * 16, g, num_rows * (D // 4))
 
 
-def _split4(values):
-    """split() of an MMA A operand's four f32: (hi words, lo words)."""
-    parts = [ptx.split_tf32(v) for v in values]
-    return [p[0] for p in parts], [p[1] for p in parts]
+def _load_stage(src, chunk, stage):
+    """All threads: cp.async (16-byte granules) of chunk `chunk` (a flat (n, h, c) index) into
+    the stage at shared address `stage`."""
+    R, tid = src.rows, src.tid
+    _copy_rows(stage, src.gamma + chunk * (D * 4), 1, Int32(1), tid)
+    _copy_rows(stage + A_OFF, src.a + chunk * (CHUNK * D * 4), CHUNK, Int32(CHUNK), tid)
+    _copy_rows(stage + B_OFF, src.b + chunk * Int64(R) * (D * 4), ROWS_R, R, tid)
+    # Y: rows of this CTA's 8 columns, 2 granules each
+    for i in range(-(-ROWS_R * 2 // THREADS)):
+        g = tid + i * THREADS
+        ptx.cp_async_16_if(stage + Y_OFF + g * 16,
+                           src.y + chunk * Int64(R) * (D * 4)
+                           + (Int64(g // 2) * D + Int64(g % 2) * 4) * 4, g, R * 2)
 
 
-def _mma3_each(products, accumulators):
-    """accumulators[i] + lo.hi + hi.lo + hi.hi of products[i] = (a_hi, a_lo, b_hi, b_lo), the
-    three MMAs of each in this order, emitted term by term across the products: consecutive
-    MMAs are independent (ptxas keeps the order, and a dependent MMA waits for its predecessor's
-    whole latency)."""
-    terms = ((1, 2), (0, 3), (0, 2))  # (A part, B part) of lo.hi, hi.lo, hi.hi
-    for a_part, b_part in terms:
-        accumulators = [ptx.mma_tf32_1688(p[a_part], p[b_part], acc)
-                        for p, acc in zip(products, accumulators)]
-    return accumulators
-
-
-def _as_a_operand(tile):
-    """An m16n8 accumulator tile (c0..c3) as an A operand with K columns (2t, 2t + 1) -> (t, t + 4)."""
-    return [tile[0], tile[2], tile[1], tile[3]]
-
-
-def _y_tile(stage, rt, g, t, warp):
-    """Y^T of the warp's 16 value rows and r-tile rt as an accumulator tile (element i: row
-    8 rt + 2t + i % 2, value row g + 8 (i // 2))."""
-    base = stage + Y_OFF + (warp * TILE_V + g) * 4
-    return [ptx.ld_shared_f32(base + (8 * rt + 2 * t + i % 2) * Y_PITCH + 8 * (i // 2) * 4)
-            for i in range(4)]
-
-
-def _residual(stage, x, g, t, warp):
-    """P^T = X A^T and Z^T = Y^T - P^T for r-tiles 0, 1 (module docstring): 8 f32, r-tile nr's
-    accumulator tile at 4 nr .. 4 nr + 3."""
-    zero = [Float32(0.0)] * 4
-    acc = [zero] * (2 * QUARTERS)  # index 2 q + nr
-    for i in range(KEY_TILES // QUARTERS):  # key tile 4 q + i of every quarter q at once
-        products = []
-        for q in range(QUARTERS):
-            kt = (KEY_TILES // QUARTERS) * q + i
-            a_hi, a_lo = _split4(_as_a_operand([x[4 * kt + e] for e in range(4)]))
-            for nr in range(2):  # A's row 8 nr + g, keys 8 kt + 2t, + 1: hi, hi, lo, lo
-                w = ptx.ld_shared_v4(stage + A_OFF + (8 * nr + g) * A_PITCH + (4 * kt + t) * 16)
-                products.append((a_hi, a_lo, w[:2], w[2:]))
-        acc = _mma3_each(products, acc)
-    z = []
-    for nr in range(2):
-        y = _y_tile(stage, nr, g, t, warp)
-        for i in range(4):
-            p = ptx.fadd(ptx.fadd(acc[nr][i], acc[2 + nr][i]),
-                         ptx.fadd(acc[4 + nr][i], acc[6 + nr][i]))
-            z.append(ptx.fsub(y[i], p))
+def _first_rows(stage, z_buf, x, acc, lane, warp):
+    """A chunk step up to the update's first 16 rows (module docstring): P, Z[:16] (returns the
+    thread's two values), acc = X Diag(gamma) + Z[:16]^T B[:16]."""
+    key_off = lane * (KEYS * 4)
+    gamma = ptx.ld_shared_v4_f32(stage + key_off)
+    # P = A X^T: partial sums over the lane's keys, index r * 4 + j (row r, value row j) ...
+    partial = []
+    for r in range(CHUNK):
+        a = ptx.ld_shared_v4_f32(stage + A_OFF + r * (D * 4) + key_off)
+        for j in range(WARP_ROWS):
+            p = Float32(0.0)
+            for i in range(KEYS):
+                p = ptx.ffma(a[i], x[KEYS * j + i], p)
+            partial.append(p)
+    # ... summed over the warp's lanes by recursive halving: the lanes with the xor bit set keep
+    # the upper half, so lane l ends with indices 2 l and 2 l + 1
+    for shift in (16, 8, 4, 2, 1):
+        half = len(partial) // 2
+        bit = lane & shift
+        kept = []
+        for t in range(half):
+            lo, hi = partial[t], partial[t + half]
+            send = ptx.select_lt_f32(bit, Int32(1), hi, lo)
+            keep = ptx.select_lt_f32(bit, Int32(1), lo, hi)
+            kept.append(ptx.fadd(keep, cute.arch.shuffle_sync_bfly(send, shift)))
+        partial = kept
+    # Z of row lane // 2, value rows 2 (lane % 2) + t, to the warp's buffer [16 rows, 4 values]
+    y_addr = stage + Y_OFF + (lane // 2) * (BLOCK_V * 4) + (WARP_ROWS * warp + 2 * (lane % 2)) * 4
+    z = [ptx.fsub(ptx.ld_shared_f32(y_addr + 4 * t), partial[t]) for t in range(2)]
+    ptx.st_shared_v2(z_buf + lane * 8, [ptx.f32_as_u32(v) for v in z])
+    ptx.warp_sync()
+    for j in range(WARP_ROWS):
+        for i in range(KEYS):
+            acc[KEYS * j + i] = ptx.fmul(x[KEYS * j + i], gamma[i])
+    _update_rows(stage, acc, lane, range(CHUNK),
+                 lambda r: ptx.ld_shared_v4_f32(z_buf + r * (WARP_ROWS * 4)))
     return z
 
 
-def _scale_by_gamma(stage, x, t):
-    """X = X Diag(gamma): key tile kt's lane columns 8 kt + 2t, + 1."""
-    for kt in range(KEY_TILES):
-        w = ptx.ld_shared_v2(stage + (8 * kt + 2 * t) * 4)
-        for i in range(4):
-            x[4 * kt + i] = ptx.fmul(x[4 * kt + i], ptx.u32_as_f32(w[i % 2]))
+def _extra_rows(stage, acc, lane, warp):
+    """The reverse chain's update rows 16 .. 31 (Z = Y there)."""
+    _update_rows(stage, acc, lane, range(CHUNK, ROWS_R),
+                 lambda r: ptx.ld_shared_v4_f32(stage + Y_OFF + r * (BLOCK_V * 4) + warp * 16))
 
 
-def _update(stage, x, z_tile, rt, g, t):
-    """X += Z^T B over the rows of r-tile rt (Z^T's accumulator tile `z_tile`), every key tile."""
-    a_hi, a_lo = _split4(_as_a_operand(z_tile))
-    pair = stage + B_OFF + (4 * rt + t) * B_PITCH + g * 16  # B's rows 8 rt + 2t, + 1
-    for half in range(2):  # key tiles 8 half .. 8 half + 7
-        tiles = range(KEY_TILES // 2 * half, KEY_TILES // 2 * (half + 1))
-        products = []
-        for kt in tiles:  # key 8 kt + g: hi, hi, lo, lo
-            w = ptx.ld_shared_v4(pair + kt * 8 * 16)
-            products.append((a_hi, a_lo, w[:2], w[2:]))
-        acc = _mma3_each(products, [[x[4 * kt + i] for i in range(4)] for kt in tiles])
-        for kt, tile in zip(tiles, acc):
-            for i in range(4):
-                x[4 * kt + i] = tile[i]
+def _update_rows(stage, acc, lane, rows, z_row):
+    """acc[j, i] += Z[r, j] B[r, i] over `rows` in order (z_row(r): the warp's 4 values of Z)."""
+    key_off = lane * (KEYS * 4)
+    for r in rows:
+        zr = z_row(r)
+        b = ptx.ld_shared_v4_f32(stage + B_OFF + r * (D * 4) + key_off)
+        for j in range(WARP_ROWS):
+            for i in range(KEYS):
+                acc[KEYS * j + i] = ptx.ffma(zr[j], b[i], acc[KEYS * j + i])
 
 
 def chain_args():
     """Fake arguments of KdaStateChains's host __call__ (N, C, H, NiF, NiR dynamic)."""
     n, c, h = symbol("N"), symbol("C"), symbol("H")
     f32 = lambda *shape: fake_tensor(Float32, shape, 16)
-    per_chain = lambda rows: (f32(n, h, c, CHUNK, 2 * D), f32(n, h, c, rows, 2 * D),
+    per_chain = lambda rows: (f32(n, h, c, CHUNK, D), f32(n, h, c, rows, D),
                               f32(n, h, c, rows, D))
     return (
         fake_tensor(Int32, (n, c), 4), f32(symbol("NiF"), h, D, D),  # reset, init: forward
