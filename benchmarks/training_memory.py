@@ -17,9 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from training_step import feedback, jax_kda_loss, make_inputs, write_rows
+from training_step import LOWER_BOUND, SCALE, feedback, make_inputs, write_rows
 
-from jax_kda.bench import timing
+from jax_kda.bench import timing, training
 
 GIB = 2.0**30
 
@@ -38,7 +38,9 @@ def main(argv=None):
             x = make_inputs(rng, T, H)
             weights = (jnp.asarray(rng.standard_normal((1, T, H, 128)), jnp.float32),
                        jnp.asarray(rng.standard_normal((1, H, 128, 128)), jnp.float32))
-            step = jax.value_and_grad(functools.partial(jax_kda_loss, "flashkda", weights, None))
+            options = {"lower_bound": LOWER_BOUND, "scale": SCALE}
+            step = jax.value_and_grad(functools.partial(training.kda_prefill_loss, "flashkda",
+                                                        weights, options))
             mem = jax.jit(step).lower(x).compile().memory_analysis()
             t = timing.time_jax(step, (x,), feedback, repeats=args.repeats, warmup=1, inner=2,
                                 min_chain_ms=20.0)

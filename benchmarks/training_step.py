@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_kda
-from jax_kda.bench import timing
+from jax_kda.bench import timing, training
+from jax_kda.bench.training import feedback
 
 LOWER_BOUND = -5.0
 SCALE = 128**-0.5
@@ -59,39 +59,19 @@ def packed_cu_seqlens(T, N):
     return None if N == 1 else jnp.arange(N + 1, dtype=jnp.int32) * (T // N)
 
 
-def jax_kda_loss(numerics, weights, cu, x):
-    out, state = jax_kda.kda_prefill(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
-        initial_state=x["state"], cu_seqlens=cu, output_final_state=True, numerics=numerics,
-        lower_bound=LOWER_BOUND, scale=SCALE)
-    return jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(state * weights[1])
-
-
-def jla_loss(kda, weights, x):
-    f32 = jnp.float32
-    log_decay = LOWER_BOUND * jax.nn.sigmoid(jnp.exp(x["A_log"])[:, None]
-                                             * (x["g"].astype(f32) + x["dt_bias"]))
-    out, state = kda(x["q"], x["k"], x["v"], log_decay, jax.nn.sigmoid(x["beta"].astype(f32)),
-                     scale=SCALE, initial_state=jnp.swapaxes(x["state"], -1, -2),
-                     output_final_state=True, use_qk_l2norm=True)
-    return (jnp.sum(out.astype(f32) * weights[0])
-            + jnp.sum(jnp.swapaxes(state, -1, -2) * weights[1]))
-
-
-def feedback(args, outs):
-    """A_log of the next call depends on this call's results (0 * one element)."""
-    (x,) = args
-    leaf = jax.tree_util.tree_leaves(outs)[-1]
-    return (dict(x, A_log=x["A_log"] + 0.0 * leaf.reshape(-1)[0].astype(jnp.float32)),)
+def _options(cu):
+    """kda_prefill's options here (jla's loss reads scale and lower_bound of them)."""
+    return {"lower_bound": LOWER_BOUND, "scale": SCALE} | ({} if cu is None else {"cu_seqlens": cu})
 
 
 def variants(weights, cu):
     found = {}
     for numerics in ("flashkda", "fp32"):
-        loss = functools.partial(jax_kda_loss, numerics, weights, cu)
+        loss = functools.partial(training.kda_prefill_loss, numerics, weights, _options(cu))
         found[f"forward:{numerics}"] = loss
         found[f"train:{numerics}"] = jax.value_and_grad(loss)
-    found["backward"] = jax.grad(functools.partial(jax_kda_loss, "flashkda", weights, cu))
+    found["backward"] = jax.grad(functools.partial(training.kda_prefill_loss, "flashkda", weights,
+                                                   _options(cu)))
     if cu is not None:
         return found  # jla's kda takes no packed sequences
     try:
@@ -99,7 +79,8 @@ def variants(weights, cu):
     except Exception as err:  # noqa: BLE001 - an absent peer is reported, not fatal
         print(f"jla not importable: {type(err).__name__}: {err}")
     else:
-        found["train:jla"] = jax.value_and_grad(functools.partial(jla_loss, kda, weights))
+        found["train:jla"] = jax.value_and_grad(functools.partial(training.jla_loss, kda, weights,
+                                                                  _options(None)))
     return found
 
 

@@ -864,3 +864,58 @@ def test_interleaved_run_times_every_variant_in_turns(tmp_path, monkeypatch):
     assert all(len(r["samples_us"]) == 2 and "interleaved" in r["timer"] for r in timed)
     assert rows[("T24_H1", "prepare")]["status"] == "skipped"  # no kernels on this machine
     assert sorted(rounds) == [2, 2]  # each case's reference in both modes
+
+
+def test_training_preset_dry_run_lists_the_training_table():
+    done = subprocess.run([sys.executable, "-m", "jax_kda.bench", "--preset", "training",
+                           "--numerics", "flashkda,fp32", "--compare", "jla-train", "--dry-run"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    listed = re.findall(r"case (\S+): seq_lens=\[([0-9, ]+)\] heads=(\d+) layout=(\w+)",
+                        done.stdout)
+    want = [("8192", h, "batched") for h in (96, 48, 24, 12, 6)]
+    want.append((", ".join(["1024"] * 8), 32, "varlen"))
+    assert [(lens, int(h), layout) for _, lens, h, layout in listed] == want
+    variants = re.search(r"variants: (.*) \(baseline", done.stdout).group(1).split(", ")
+    for name in ("train", "backward", "train:fp32", "backward:fp32", "total:bv=auto",
+                 "jla-train"):
+        assert name in variants, variants
+
+
+@pytest.mark.parametrize("case", [cases.Case((40,), 2), cases.Case((17, 0, 23), 2, "varlen")],
+                         ids=["batched", "packed"])
+@pytest.mark.parametrize("numerics", ["flashkda", "fp32"])
+def test_training_variants_time_the_gradient_of_the_loss(case, numerics):
+    """"train" is value_and_grad and "backward" grad of sum(out * w) + sum(final * w') w.r.t. all
+    eight inputs, the state in f32, as written here directly; the feedback changes no value."""
+    from jax_kda import kda_prefill
+    from jax_kda.bench import inputs, jax_variants, training
+
+    x = inputs.to_jax(inputs.make_inputs(case, seed=3))
+    w_out, w_state = training.loss_weights(case)
+    assert w_out.shape[2] == case.heads and w_state.shape[0] == case.num_seqs
+    extra = {"cu_seqlens": x["cu_seqlens"]} if case.layout == "varlen" else {}
+
+    def loss(*primals):
+        out, final = kda_prefill(*primals[:7], initial_state=primals[7],
+                                 output_final_state=True, numerics=numerics, scale=128**-0.5,
+                                 lower_bound=-5.0, **extra)
+        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(final * w_state)
+
+    primals = [x[n] for n in training.INPUTS[:7]] + [x["state"].astype(jnp.float32)]
+    want_loss, want = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8))))(*primals)
+    got = {}
+    for kind in ("train", "backward"):
+        variant = jax_variants.Variant(kind, numerics=numerics)
+        fn, args, feedback, _ = jax_variants.build(variant, case, x, inverse="stable")
+        got[kind] = jax.jit(fn)(*args)
+        (again,) = feedback(args, got[kind])
+        for name in training.INPUTS:
+            assert jnp.array_equal(again[name], args[0][name]), name
+    got_loss, grads = got["train"]
+    assert jnp.allclose(got_loss, want_loss, rtol=1e-6)
+    for name, w in zip(training.INPUTS, want):
+        for g in (grads[name], got["backward"][name]):
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            assert jnp.allclose(g.astype(jnp.float32), w.astype(jnp.float32), rtol=1e-5,
+                                atol=1e-6 * float(jnp.max(jnp.abs(w.astype(jnp.float32))))), name

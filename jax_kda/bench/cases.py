@@ -190,9 +190,16 @@ def long_context_cases() -> list[Case]:
     return [Case((t,), h) for t in LONG_CONTEXT_SEQLENS for h in LONG_CONTEXT_HEADS]
 
 
+def training_cases() -> list[Case]:
+    """The training table: T = 8192 over the head sweep, and 8 packed sequences of 1024 tokens at
+    32 heads."""
+    return [Case((8192,), h) for h in BASELINE_HEADS] + [Case((1024,) * 8, 32, "varlen")]
+
+
 PRESETS = {"baselines": baseline_cases, "baselines-other": baseline_other_cases, "tiny": tiny_cases,
            "decode": decode_cases, "decode-tiny": decode_tiny_cases,
-           "long-context": long_context_cases, "throughput": throughput_cases}
+           "long-context": long_context_cases, "throughput": throughput_cases,
+           "training": training_cases}
 
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:

@@ -15,6 +15,9 @@ Examples:
   python -m jax_kda.bench --preset decode-tiny             # decode on a CPU, with the reference
   python -m jax_kda.bench --preset throughput --total-block-v auto,baseline --interleave
       # variants of a case timed in turns (one sample each per round): for small differences
+  python -m jax_kda.bench --preset training --numerics flashkda,fp32 --compare jla-train
+      # forward ("total"), forward + backward ("train") and the backward alone ("backward") of
+      # one loss, beside jla's forward + backward (jax_kda/bench/training.py)
 
 Decode cases (--preset decode, --decode N,H,t) time one decode step of N sequences x H heads, t
 tokens each, on a state pool (bf16 or f32) picked by a permutation of its rows: `decode` (the
@@ -62,6 +65,8 @@ from .torch_compare import BUILDERS as TORCH_PEERS
 from .torch_compare import COMPARE_CHOICES
 
 PREFILL_KINDS = ("prepare", "recurrence", "total")  # the kernel variants of prefill cases
+TRAINING_KINDS = ("total", "train", "backward")  # the training preset's default variants
+PREFILL_ONLY = PREFILL_KINDS + ("train", "backward", "jla-train")  # never on decode cases
 DEFAULT_BLOCK_V = "16,32,64,128,auto"
 DEFAULT_TOTAL_BLOCK_V = "128,auto"
 
@@ -111,8 +116,9 @@ def _parser() -> argparse.ArgumentParser:
                    "decode cases time flashkda only")
     g.add_argument("--compare", action="append", default=[], choices=COMPARE_CHOICES,
                    help="also time fla's chunk_kda or FlashKDA through torch, or jla's Mosaic GPU "
-                   "kda through JAX (repeatable); on decode cases fla is its "
-                   "fused_recurrent_kda_fwd on the same pool")
+                   "kda through JAX (repeatable; jla-train: its forward + backward of the "
+                   "training loss); on decode cases fla is its fused_recurrent_kda_fwd on the "
+                   "same pool")
     g.add_argument("--baseline", help="variant the ratios are relative to (default total:bv=128 "
                    "when timed, else the first variant; on decode cases decode, else the first), "
                    "e.g. total:bv=baseline for the baseline kernel")
@@ -201,6 +207,8 @@ def _parse_segments(text: str) -> tuple[int | str, ...]:
 def _variants(args, kernels_ok: bool, cases=()) -> list[Variant]:
     if args.variants:
         kinds = [s.strip() for s in args.variants.split(",") if s.strip()]
+    elif args.preset == "training":
+        kinds = list(TRAINING_KINDS)
     elif not kernels_ok:
         kinds = ["reference"]
     else:
@@ -260,7 +268,7 @@ def _applies(variant: Variant, case) -> bool:
     """Whether a (case, variant) pair is timed: the prefill kinds on prefill cases, the decode
     kinds on decode cases; reference and the peers on both (a peer without a decode path records
     why it was skipped), in every numerics mode asked for."""
-    if variant.kind in PREFILL_KINDS:
+    if variant.kind in PREFILL_ONLY:
         return case.kind == "prefill"
     if variant.kind in decode_variants.KINDS:
         return case.kind == "decode"
@@ -289,7 +297,7 @@ def _compare_versions(peers) -> dict:
     from . import jla_compare, torch_compare
 
     found = torch_compare.versions() if set(peers) & set(TORCH_PEERS) else {}
-    return found | ({"jla": jla_compare.version()} if "jla" in peers else {})
+    return found | ({"jla": jla_compare.version()} if {"jla", "jla-train"} & set(peers) else {})
 
 
 def _sampler(variant, case, np_inputs, jax_inputs, args, timing_opts):
@@ -298,8 +306,9 @@ def _sampler(variant, case, np_inputs, jax_inputs, args, timing_opts):
     from . import jax_variants, jla_compare, timing, torch_compare
 
     jax_opts = {"warmup": args.warmup, **timing_opts}
-    if variant.kind == "jla":  # a JAX peer: timed as the jax_kda variants are
-        fn, fn_args, feedback, info = jla_compare.build(case, jax_inputs)
+    if variant.kind in ("jla", "jla-train"):  # a JAX peer: timed as the jax_kda variants are
+        build = jla_compare.build if variant.kind == "jla" else jla_compare.build_train
+        fn, fn_args, feedback, info = build(case, jax_inputs)
         return timing.jax_sampler(fn, fn_args, feedback, **jax_opts), info
     if variant.kind in torch_compare.BUILDERS:
         fn, notes = torch_compare.BUILDERS[variant.kind](case, np_inputs)

@@ -8,7 +8,7 @@ import numpy as np
 
 from .cases import Case
 
-KINDS = ("prepare", "recurrence", "total", "reference")
+KINDS = ("prepare", "recurrence", "total", "reference", "train", "backward")  # bench/training.py
 AUTO = "auto"  # Variant.block_v: the launch heuristic's choice (kda_prefill(recurrence="auto"))
 BASELINE = "baseline"  # Variant.block_v: the baseline recurrence kernel (one CTA per head)
 FLASHKDA = "flashkda"  # Variant.numerics of the default mode: its names carry no mode tag
@@ -157,6 +157,10 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
 
     from .. import kda_prefill
 
+    if variant.kind in ("train", "backward"):
+        from . import training
+
+        return training.build(variant, case, x, inverse=inverse)
     why_not = unavailable_reason(variant, inverse)
     if why_not:
         raise VariantUnavailable(why_not)

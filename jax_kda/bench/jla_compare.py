@@ -13,7 +13,9 @@ the numbers jax_kda receives (the case's inputs):
 q, k, v stay bf16, and q and k are L2-normalised inside the call (use_qk_l2norm=True) as jax_kda
 normalises them. jla takes no cu_seqlens (its segment_ids restart each segment from a zero
 state), so it times batched and single-sequence cases and records packed cases of several
-sequences, and decode cases, as skipped.
+sequences, and decode cases, as skipped. "jla-train" (build_train) times jla's forward +
+backward of the training loss of jax_kda/bench/training.py instead, the gate glue inside the
+differentiated function.
 """
 
 from __future__ import annotations
@@ -113,3 +115,12 @@ def build(case: Case | DecodeCase, x: dict):
     notes = {"inputs": "g as jla's log-decay, beta after the sigmoid and the f32 [B, H, K, V] "
              "state computed once, outside the timed call"}
     return jax.jit(jla_kda), args, _feedback, {"notes": notes}
+
+
+def build_train(case: Case | DecodeCase, x: dict):
+    """(fn, args, feedback, info) of jla's forward + backward of the training loss
+    (jax_kda/bench/training.py), on the case's jax inputs."""
+    from . import training
+
+    _check_case(case)
+    return training.build_jla(case, x, _kda_module().kda)

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from .cases import Case, DecodeCase
 from .jax_variants import VariantUnavailable
 
-COMPARE_CHOICES = ("fla", "flashkda", "jla")  # jla: a JAX peer, jla_compare.py
+# jla, jla-train: a JAX peer (jla_compare.py; jla-train its forward + backward, bench/training.py)
+COMPARE_CHOICES = ("fla", "flashkda", "jla", "jla-train")
 
 
 def torch_status() -> tuple[bool, str]:
