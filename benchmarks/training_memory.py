@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from training_step import LOWER_BOUND, SCALE, feedback, make_inputs, write_rows
+from training_step import LOWER_BOUND, SCALE, make_inputs, write_rows
 
 from jax_kda.bench import timing, training
 
@@ -42,8 +42,8 @@ def main(argv=None):
             step = jax.value_and_grad(functools.partial(training.kda_prefill_loss, "flashkda",
                                                         weights, options))
             mem = jax.jit(step).lower(x).compile().memory_analysis()
-            t = timing.time_jax(step, (x,), feedback, repeats=args.repeats, warmup=1, inner=2,
-                                min_chain_ms=20.0)
+            t = timing.time_jax(step, (x,), training.feedback, repeats=args.repeats, warmup=1,
+                                inner=2, min_chain_ms=20.0)
             row = {"seqlen": T, "heads": H, "temp_gib": mem.temp_size_in_bytes / GIB,
                    "argument_gib": mem.argument_size_in_bytes / GIB,
                    "output_gib": mem.output_size_in_bytes / GIB, "median_us": t.median_us}

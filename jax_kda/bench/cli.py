@@ -56,6 +56,7 @@ from .jax_variants import (
     BASELINE,
     FLASHKDA,
     KINDS,
+    TRAINING_KINDS,
     Variant,
     VariantUnavailable,
     kernels_status,
@@ -65,8 +66,8 @@ from .torch_compare import BUILDERS as TORCH_PEERS
 from .torch_compare import COMPARE_CHOICES
 
 PREFILL_KINDS = ("prepare", "recurrence", "total")  # the kernel variants of prefill cases
-TRAINING_KINDS = ("total", "train", "backward")  # the training preset's default variants
-PREFILL_ONLY = PREFILL_KINDS + ("train", "backward", "jla-train")  # never on decode cases
+TRAINING_PRESET_KINDS = ("total",) + TRAINING_KINDS  # the training preset's default variants
+PREFILL_ONLY = PREFILL_KINDS + TRAINING_KINDS + ("jla-train",)  # never on decode cases
 DEFAULT_BLOCK_V = "16,32,64,128,auto"
 DEFAULT_TOTAL_BLOCK_V = "128,auto"
 
@@ -208,7 +209,7 @@ def _variants(args, kernels_ok: bool, cases=()) -> list[Variant]:
     if args.variants:
         kinds = [s.strip() for s in args.variants.split(",") if s.strip()]
     elif args.preset == "training":
-        kinds = list(TRAINING_KINDS)
+        kinds = list(TRAINING_PRESET_KINDS)
     elif not kernels_ok:
         kinds = ["reference"]
     else:

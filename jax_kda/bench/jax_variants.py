@@ -8,7 +8,8 @@ import numpy as np
 
 from .cases import Case
 
-KINDS = ("prepare", "recurrence", "total", "reference", "train", "backward")  # bench/training.py
+TRAINING_KINDS = ("train", "backward")  # forward + backward, the backward alone: bench/training.py
+KINDS = ("prepare", "recurrence", "total", "reference") + TRAINING_KINDS
 AUTO = "auto"  # Variant.block_v: the launch heuristic's choice (kda_prefill(recurrence="auto"))
 BASELINE = "baseline"  # Variant.block_v: the baseline recurrence kernel (one CTA per head)
 FLASHKDA = "flashkda"  # Variant.numerics of the default mode: its names carry no mode tag
@@ -157,7 +158,7 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
 
     from .. import kda_prefill
 
-    if variant.kind in ("train", "backward"):
+    if variant.kind in TRAINING_KINDS:
         from . import training
 
         return training.build(variant, case, x, inverse=inverse)

@@ -56,20 +56,27 @@ def _kda_module():
         raise VariantUnavailable(f"jla is not importable ({type(err).__name__}: {err})") from err
 
 
-def convert_inputs(x: dict, *, lower_bound: float) -> tuple:
-    """jla's (q, k, v, g, beta, initial_state) from a prefill case's jax inputs, on the device."""
+def to_jla(q, k, v, g, beta, A_log, dt_bias, state, *, lower_bound: float) -> tuple:
+    """jla's (q, k, v, g, beta, initial_state) from jax_kda's inputs, traceable (the module
+    docstring has the conversion)."""
     import jax
     import jax.numpy as jnp
 
     f32 = jnp.float32
+    decay_rate = jnp.exp(A_log)[:, None]  # [H, 1], against g [B, T, H, 128]
+    log_decay = lower_bound * jax.nn.sigmoid(decay_rate * (g.astype(f32) + dt_bias))
+    state_kv = jnp.swapaxes(state.astype(f32), -1, -2)  # [N, H, V, K] -> [B, H, K, V]
+    return q, k, v, log_decay, jax.nn.sigmoid(beta.astype(f32)), state_kv
 
-    def convert(q, k, v, g, beta, A_log, dt_bias, state):
-        decay_rate = jnp.exp(A_log)[:, None]  # [H, 1], against g [B, T, H, 128]
-        log_decay = lower_bound * jax.nn.sigmoid(decay_rate * (g.astype(f32) + dt_bias))
-        state_kv = jnp.swapaxes(state.astype(f32), -1, -2)  # [N, H, V, K] -> [B, H, K, V]
-        return q, k, v, log_decay, jax.nn.sigmoid(beta.astype(f32)), state_kv
 
-    return tuple(jax.block_until_ready(jax.jit(convert)(
+def convert_inputs(x: dict, *, lower_bound: float) -> tuple:
+    """jla's (q, k, v, g, beta, initial_state) from a prefill case's jax inputs, on the device."""
+    import functools
+
+    import jax
+
+    convert = jax.jit(functools.partial(to_jla, lower_bound=lower_bound))
+    return tuple(jax.block_until_ready(convert(
         x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["state"])))
 
 

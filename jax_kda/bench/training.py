@@ -16,8 +16,8 @@ import functools
 import numpy as np
 
 from .jax_variants import Variant, VariantUnavailable, _options, _prefill_kwargs, unavailable_reason
+from .jla_compare import to_jla
 
-KINDS = ("train", "backward")
 INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state")
 
 
@@ -46,19 +46,17 @@ def kda_prefill_loss(numerics, weights, options, x):
 
 
 def jla_loss(kda, weights, options, x):
-    """The loss through jla's kda: the gate and beta sigmoid computed in JAX (jla takes them
-    applied), its state [B, H, K, V] transposed from and to jax_kda's [N, H, V, K]."""
-    import jax
+    """The loss through jla's kda: its gate, beta and state converted from jax_kda's inputs
+    (jla_compare.to_jla) inside the differentiated function, its final state [B, H, K, V]
+    transposed back to jax_kda's [N, H, V, K]."""
     import jax.numpy as jnp
 
-    f32 = jnp.float32
-    log_decay = options["lower_bound"] * jax.nn.sigmoid(
-        jnp.exp(x["A_log"])[:, None] * (x["g"].astype(f32) + x["dt_bias"]))
-    out, state = kda(x["q"], x["k"], x["v"], log_decay, jax.nn.sigmoid(x["beta"].astype(f32)),
-                     scale=options["scale"], initial_state=jnp.swapaxes(x["state"], -1, -2),
+    q, k, v, g, beta, state = to_jla(*(x[name] for name in INPUTS),
+                                     lower_bound=options["lower_bound"])
+    out, final = kda(q, k, v, g, beta, scale=options["scale"], initial_state=state,
                      output_final_state=True, use_qk_l2norm=True)
-    return (jnp.sum(out.astype(f32) * weights[0])
-            + jnp.sum(jnp.swapaxes(state, -1, -2) * weights[1]))
+    return (jnp.sum(out.astype(jnp.float32) * weights[0])
+            + jnp.sum(jnp.swapaxes(final, -1, -2) * weights[1]))
 
 
 def feedback(args, outs):
