@@ -6,7 +6,8 @@
 #           (default: tests sanitizer bench)
 #   WHEEL_DIR: where the built wheel is (default .whl)
 #   SANITIZER_CASE: the script the sanitizer stage runs (default sanitizer_case.py; the fp32
-#           mode's: sanitizer_case_fp32.py)
+#           mode's: sanitizer_case_fp32.py; the backward's chain kernel:
+#           sanitizer_case_backward.py)
 #   SANITIZER_TOOLS: compute-sanitizer tools of that stage (default "memcheck racecheck")
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
