@@ -4,9 +4,9 @@
 
 One decode step of N sequences x H heads x t tokens on an f32 state pool (all rows indexed),
 with and without the intermediate states, for numerics="flashkda" (the fused decode kernel) and
-numerics="fp32" (the fp32 mode's fused decode kernel). Each variant is a jitted chain of dependent steps (jax_kda.bench.timing: the next
-step reads this step's pool, and its v depends on one element of the states, so they are
-computed); the variants alternate over several rounds; medians in us and the ratios to the
+numerics="fp32" (the fp32 mode's fused decode kernel). Each variant is a jitted chain of
+dependent steps (jax_kda.bench.timing: the next step reads this step's pool, and its v depends
+on one element of the states, so they are computed); the variants alternate over several rounds; medians in us and the ratios to the
 same mode without states are printed.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 
 import jax_kda
 from jax_kda.bench import timing
-from jax_kda.bench.jax_variants import _zero_times
+from jax_kda.bench.jax_variants import zero_times
 
 MODES = ("flashkda", "fp32")
 
@@ -45,7 +45,7 @@ def variant(numerics, with_states):
 
     def feedback(args, outs):  # the next step starts from this pool and needs these states
         x, _, idx = args
-        dep = _zero_times(outs[2] if with_states else outs[0])
+        dep = zero_times(outs[2] if with_states else outs[0])
         return {**x, "v": (x["v"].astype(jnp.float32) + dep).astype(x["v"].dtype)}, outs[1], idx
 
     return fn, feedback

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from . import timing
 from .cases import DecodeCase
-from .jax_variants import Variant, VariantUnavailable, _zero_times, kernels_status
+from .jax_variants import Variant, VariantUnavailable, kernels_status, zero_times
 
 KINDS = ("decode", "decode_prefill")  # with "reference", which runs on both kinds of case
 POOL = 7  # the pool among a step's arguments: q, k, v, g, beta, A_log, dt_bias, pool, idx
@@ -86,7 +86,7 @@ def _prefill_feedback(args, outs):
     its R identical calls would otherwise be merged into one."""
     q, k, v, g, beta, A_log, dt_bias, _, idx = args
     pool = outs[1]
-    return q, k, v, g, beta, A_log + _zero_times(pool), dt_bias, pool, idx
+    return q, k, v, g, beta, A_log + zero_times(pool), dt_bias, pool, idx
 
 
 def _reference_feedback(args, outs):

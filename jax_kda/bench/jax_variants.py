@@ -59,11 +59,13 @@ def kernels_status() -> tuple[bool, str]:
     return True, ""
 
 
-def _options(case: Case, inverse: str) -> dict:
+def prefill_options(case: Case, inverse: str) -> dict:
+    """kda_prefill's scale, lower_bound and inverse in every timed case."""
     return {"scale": 128**-0.5, "lower_bound": -5.0, "inverse": inverse}
 
 
-def _prefill_kwargs(case: Case, x: dict) -> dict:
+def sequence_kwargs(case: Case, x: dict) -> dict:
+    """cu_seqlens for a packed (varlen) case, nothing for a batched one."""
     return {"cu_seqlens": x["cu_seqlens"]} if case.layout == "varlen" else {}
 
 
@@ -76,7 +78,7 @@ def _scalars(opts: dict) -> dict:
     return {"scale": opts["scale"], "lower_bound": opts["lower_bound"]}
 
 
-def _zero_times(x):
+def zero_times(x):
     """0 * one element of x, in f32: a value XLA must compute (0 * inf is not 0), so whatever takes
     it depends on x at the cost of a tiny fusion."""
     import jax.numpy as jnp
@@ -91,7 +93,7 @@ def _state_feedback(args, outs):
     calls keep `out` alive themselves."""
     q, k, v, g, beta, A_log, dt_bias, _ = args
     _, final_state = outs
-    return q, k, v, g, beta, A_log + _zero_times(final_state), dt_bias, final_state
+    return q, k, v, g, beta, A_log + zero_times(final_state), dt_bias, final_state
 
 
 def _reference_feedback(args, outs):
@@ -105,7 +107,7 @@ def _reference_feedback(args, outs):
 
 def _prepare_feedback(args, workspace):
     q, k, g, beta, A_log, dt_bias, cu = args
-    return q, k, g, beta, A_log + _zero_times(workspace), dt_bias, cu
+    return q, k, g, beta, A_log + zero_times(workspace), dt_bias, cu
 
 
 def _recurrence_feedback(args, outs):
@@ -165,8 +167,8 @@ def build(variant: Variant, case: Case, x: dict, *, inverse: str):
     why_not = unavailable_reason(variant, inverse)
     if why_not:
         raise VariantUnavailable(why_not)
-    opts = _options(case, inverse)
-    extra = _prefill_kwargs(case, x)
+    opts = prefill_options(case, inverse)
+    extra = sequence_kwargs(case, x)
     state = _initial_state(variant, x)
     gate_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], state)
     numerics = variant.numerics

@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 
 from .cases import Case, DecodeCase
-from .jax_variants import VariantUnavailable, _options, _zero_times
+from .jax_variants import VariantUnavailable, prefill_options, zero_times
 
 KDA_MODULE = "jla.ops.mosaic_gpu.kda"  # kda() and supports_kda()
 # unsupported_reason(): why supports_kda says no
@@ -98,7 +98,7 @@ def _feedback(args, outs):
     could merge them across the chained calls; beta is the smallest of those inputs."""
     q, k, v, g, beta, _ = args
     _, final_state = outs
-    return q, k, v, g, beta + _zero_times(final_state), final_state
+    return q, k, v, g, beta + zero_times(final_state), final_state
 
 
 def build(case: Case | DecodeCase, x: dict):
@@ -108,7 +108,7 @@ def build(case: Case | DecodeCase, x: dict):
 
     _check_case(case)
     module = _kda_module()
-    opts = _options(case, inverse="stable")
+    opts = prefill_options(case, inverse="stable")
     args = convert_inputs(x, lower_bound=opts["lower_bound"])
     options = {"scale": opts["scale"], "output_final_state": True, "use_qk_l2norm": True}
     if not module.supports_kda(*args[:STATE], initial_state=args[STATE], **options):

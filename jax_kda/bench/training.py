@@ -15,7 +15,13 @@ import functools
 
 import numpy as np
 
-from .jax_variants import Variant, VariantUnavailable, _options, _prefill_kwargs, unavailable_reason
+from .jax_variants import (
+    Variant,
+    VariantUnavailable,
+    prefill_options,
+    sequence_kwargs,
+    unavailable_reason,
+)
 from .jla_compare import to_jla
 
 INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state")
@@ -84,7 +90,7 @@ def build(variant: Variant, case, x: dict, *, inverse: str):
     why_not = unavailable_reason(variant, inverse)
     if why_not:
         raise VariantUnavailable(why_not)
-    options = _options(case, inverse) | _prefill_kwargs(case, x)
+    options = prefill_options(case, inverse) | sequence_kwargs(case, x)
     loss = functools.partial(kda_prefill_loss, variant.numerics, loss_weights(case), options)
     step = jax.value_and_grad(loss) if variant.kind == "train" else jax.grad(loss)
     return step, (_inputs(x),), feedback, {}
@@ -94,7 +100,7 @@ def build_jla(case, x: dict, kda):
     """(fn, args, feedback, info) of jla's forward + backward ("jla-train") with jla's `kda`."""
     import jax
 
-    options = _options(case, "stable")  # scale and lower_bound; jla has no inverse option
+    options = prefill_options(case, "stable")  # scale and lower_bound; jla has no inverse option
     step = jax.value_and_grad(functools.partial(jla_loss, kda, loss_weights(case), options))
     notes = {"inputs": "jla's gate and beta sigmoid computed from g, A_log, dt_bias and the beta "
              "logit inside the differentiated function"}
