@@ -7,6 +7,9 @@ lower-precision parts, as tensor cores would take them, the rest of the backward
   tf32x3    a = hi + lo, both TF32 (10 mantissa bits, round to nearest): hi hi + hi lo + lo hi
   bf16x3    the same with bf16 parts (7 mantissa bits)
   bf16      each operand rounded to bf16 once, one product (f32 accumulation)
+  bf16x2s   the chain's own operand (the state X in P, Z in the update) split into two bf16
+            parts, the precomputed one (A, B) rounded to bf16 once: two products
+  bf16x2o   the other way round: the precomputed operand split, the chain's own rounded once
 
 Each split part's products are exact in f32 and summed in f32 (a tensor core's accumulation
 rounds differently in the last bits). The chains run as tests/state_chain_model.py's model, with
@@ -40,12 +43,22 @@ def _round(x, fmt):
     return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=MANTISSA_BITS[fmt])
 
 
-def split_product(spec, a, b, *, fmt, terms):
-    """a b from parts of fmt: terms 3 (hi hi + (hi lo + lo hi)) or 1 (hi hi)."""
+# which operand of the model's two products is the chain's own (the state X in P = A X^T, Z in
+# Z^T B): tests/state_chain_model.py's specs
+CHAIN_OPERAND = {"hrk,hvk->hrv": 1, "hrv,hrk->hvk": 0}
+
+
+def split_product(spec, a, b, *, fmt, terms, split=None):
+    """a b from parts of fmt: terms 3 (hi hi + (hi lo + lo hi)), 1 (hi hi) or 2 (hi hi + the
+    lo part of the operand `split` names, "chain" or "other", times the other's hi)."""
     a_hi, b_hi = _round(a, fmt), _round(b, fmt)
     if terms == 1:
         return f32_product(spec, a_hi, b_hi)
     a_lo, b_lo = _round(a - a_hi, fmt), _round(b - b_hi, fmt)
+    if terms == 2:
+        split_a = (CHAIN_OPERAND[spec] == 0) == (split == "chain")
+        small = f32_product(spec, a_lo, b_hi) if split_a else f32_product(spec, a_hi, b_lo)
+        return small + f32_product(spec, a_hi, b_hi)
     small = f32_product(spec, a_hi, b_lo) + f32_product(spec, a_lo, b_hi)
     return small + f32_product(spec, a_hi, b_hi)
 
@@ -55,6 +68,8 @@ PRODUCTS = {
     "tf32x3": functools.partial(split_product, fmt="tf32", terms=3),
     "bf16x3": functools.partial(split_product, fmt="bf16", terms=3),
     "bf16": functools.partial(split_product, fmt="bf16", terms=1),
+    "bf16x2s": functools.partial(split_product, fmt="bf16", terms=2, split="chain"),
+    "bf16x2o": functools.partial(split_product, fmt="bf16", terms=2, split="other"),
 }
 
 
