@@ -41,8 +41,9 @@ def main() -> None:
 
     def variant(every):
         def fn(x, state):
-            out, final, *ckpts = jax_kda.kda_prefill(**x, initial_state=state, output_final_state=True,
-                                                     checkpoint_every=every, backend="kernel")
+            out, final, *ckpts = jax_kda.kda_prefill(
+                **x, initial_state=state, output_final_state=True, checkpoint_every=every,
+                backend="kernel")
             return out, final, *ckpts
 
         def feedback(args, outs):  # next call starts from this one's final state

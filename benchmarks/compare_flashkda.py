@@ -53,13 +53,15 @@ def draw_inputs(rng, layout, lengths, heads):
         "A_log": rng.uniform(0, 1, heads).astype(np.float32),
         "dt_bias": rng.uniform(0, 1, (heads, 128)).astype(np.float32),
         "state": normal(n, heads, 128, 128, s=0.05),
-        "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64) if layout == "varlen" else None,
+        "cu_seqlens": (np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+                       if layout == "varlen" else None),
     }
 
 
 def run_jax(x, state_dtype, inverse):
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-    init = None if state_dtype is None else jnp.asarray(x["state"]).astype(jnp.bfloat16).astype(state_dtype)
+    init = (None if state_dtype is None
+            else jnp.asarray(x["state"]).astype(jnp.bfloat16).astype(state_dtype))
     cu = None if x["cu_seqlens"] is None else jnp.asarray(x["cu_seqlens"], jnp.int32)
     out, final = jax_kda.kda_prefill(
         bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["g"]), bf(x["beta"]), jnp.asarray(x["A_log"]),
@@ -90,8 +92,9 @@ def run_torch_impl(fn, x, state_dtype):
     import torch
 
     d = torch_inputs(x, state_dtype)
-    fn(d["q"], d["k"], d["v"], d["g"], d["beta"], SCALE, d["out"], d["A_log"], d["dt_bias"], LOWER_BOUND,
-       initial_state=d["initial_state"], final_state=d["final_state"], cu_seqlens=d["cu_seqlens"])
+    fn(d["q"], d["k"], d["v"], d["g"], d["beta"], SCALE, d["out"], d["A_log"], d["dt_bias"],
+       LOWER_BOUND, initial_state=d["initial_state"], final_state=d["final_state"],
+       cu_seqlens=d["cu_seqlens"])
     torch.cuda.synchronize()
     return d["out"].float().cpu().numpy(), d["final_state"].float().cpu().numpy()
 
@@ -112,7 +115,8 @@ def compare(a, b):
     equal = float(np.mean(bits_a == bits_b)) if bits_a.size else 1.0
     max_ulp = int(np.max(np.abs(ulp_order(bits_a) - ulp_order(bits_b)))) if bits_a.size else 0
     return {"bit_equal_fraction": equal, "max_ulp": max_ulp,
-            "nonfinite_a": int(np.sum(~np.isfinite(a))), "nonfinite_b": int(np.sum(~np.isfinite(b)))}
+            "nonfinite_a": int(np.sum(~np.isfinite(a))),
+            "nonfinite_b": int(np.sum(~np.isfinite(b)))}
 
 
 def load_ref(path):
@@ -160,12 +164,16 @@ def main():
                 results.append({"case": name, "against": label, "error": str(err)})
                 continue
             row = {"case": name, "against": label, "inverse": inverse,
-                   "out": compare(mine[inverse][0], out), "final_state": compare(mine[inverse][1], final)}
-            ok = row["out"]["bit_equal_fraction"] == 1.0 and row["final_state"]["bit_equal_fraction"] == 1.0
+                   "out": compare(mine[inverse][0], out),
+                   "final_state": compare(mine[inverse][1], final)}
+            ok = (row["out"]["bit_equal_fraction"] == 1.0
+                  and row["final_state"]["bit_equal_fraction"] == 1.0)
             all_equal &= ok
             results.append(row)
-            print(f"{name} | jax_kda[{inverse}] vs {label}: out bit-equal {row['out']['bit_equal_fraction']:.6f}"
-                  f" (max {row['out']['max_ulp']} ulp), final state {row['final_state']['bit_equal_fraction']:.6f}"
+            print(f"{name} | jax_kda[{inverse}] vs {label}: "
+                  f"out bit-equal {row['out']['bit_equal_fraction']:.6f}"
+                  f" (max {row['out']['max_ulp']} ulp), "
+                  f"final state {row['final_state']['bit_equal_fraction']:.6f}"
                   f" (max {row['final_state']['max_ulp']} ulp){'' if ok else '  <-- DIFFERS'}")
     with open(args.json, "w") as f:
         json.dump({"seed": seed, "results": results}, f, indent=1)

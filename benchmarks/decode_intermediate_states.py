@@ -6,8 +6,8 @@ One decode step of N sequences x H heads x t tokens on an f32 state pool (all ro
 with and without the intermediate states, for numerics="flashkda" (the fused decode kernel) and
 numerics="fp32" (the fp32 mode's fused decode kernel). Each variant is a jitted chain of
 dependent steps (jax_kda.bench.timing: the next step reads this step's pool, and its v depends
-on one element of the states, so they are computed); the variants alternate over several rounds; medians in us and the ratios to the
-same mode without states are printed.
+on one element of the states, so they are computed); the variants alternate over several
+rounds; medians in us and the ratios to the same mode without states are printed.
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ relative RMSE of every gradient, per gate regime, for
   rounding         the exact gradient rounded to its dtype (bf16 for q, k, v, g, beta; f32 else):
                    the floor of any method that returns that dtype
 
-Cases: jax_kda.bench.gradients (bf16-valued initial state and cotangents, both cotangents ~ N(0, 1)).
+Cases: jax_kda.bench.gradients (bf16-valued initial state and cotangents, both cotangents
+~ N(0, 1)).
 Runs on the CPU; T = 1024 and 4 heads take a few minutes.
 
-  python benchmarks/grad_accuracy.py [--T 1024] [--heads 4] [--regimes strong,fla,...] [--out x.json]
+  python benchmarks/grad_accuracy.py [--T 1024] [--heads 4] [--regimes strong,fla,...]
+                                     [--out x.json]
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def table(results):
              "|---|---|" + "---|" * len(COLUMNS)]
     for regime, rows in results.items():
         for method, values in rows.items():
-            lines.append(f"| {regime} | {method} | " + " | ".join(f"{v:.2e}" for v in values) + " |")
+            cells = " | ".join(f"{v:.2e}" for v in values)
+            lines.append(f"| {regime} | {method} | {cells} |")
     return "\n".join(lines)
 
 

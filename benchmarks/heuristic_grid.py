@@ -7,7 +7,7 @@ as a jit chain of dependent calls (state fed forward), medians of --repeats samp
 one process. Writes one JSON with every row plus what jax_kda._launch.choose_block_v picks.
 
   python benchmarks/heuristic_grid.py --out grid.json [--seqs 1,2,4,8] [--heads 1,2,...]
-  python benchmarks/heuristic_grid.py --markdown grid.json   # the BENCHMARKS.md table (no GPU needed)
+  python benchmarks/heuristic_grid.py --markdown grid.json   # the BENCHMARKS.md table (no GPU)
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from jax_kda import _launch
 from jax_kda.bench import cases, jax_variants, timing
 
 BLOCK_VS = (16, 32, 64, 128)
-# The FlashKDA-structured kernel, timed alongside (--with-baseline) so a later heuristic can pick it.
+# The FlashKDA-structured kernel, timed alongside (--with-baseline) so a later heuristic can pick
+# it.
 BASELINE = jax_variants.BASELINE
 HEADS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -45,7 +46,8 @@ def device_inputs(key, num_seqs, seqlen, heads, total=None):
         "beta": jax.random.normal(ks[4], (1, T, heads), jnp.bfloat16),
         "A_log": jax.random.uniform(ks[5], (heads,), jnp.float32),
         "dt_bias": jax.random.uniform(ks[6], (heads, D), jnp.float32),
-        "state": (0.05 * jax.random.normal(ks[7], (num_seqs, heads, D, D), jnp.float32)).astype(jnp.bfloat16),
+        "state": (0.05 * jax.random.normal(ks[7], (num_seqs, heads, D, D), jnp.float32)
+                  ).astype(jnp.bfloat16),
     }
 
 
@@ -76,7 +78,8 @@ def markdown_table(path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--markdown", metavar="GRID_JSON", help="print the table of a measured grid and exit")
+    p.add_argument("--markdown", metavar="GRID_JSON",
+                   help="print the table of a measured grid and exit")
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--seqs", default="1,2,4,8")
     p.add_argument("--mix", action="append", default=[], metavar="L1,L2,...",
@@ -123,12 +126,14 @@ def main():
             mine = [r for r in rows if r["seq_lens"] == list(seq_lens) and r["heads"] == heads]
             best = min(mine, key=lambda r: r["median_us"])
             cells = "  ".join(f"bv{r['block_v']}={r['median_us']:8.1f}" for r in mine)
-            print(f"N={num_seqs} T={sum(seq_lens)} H={heads:3d}  {cells}  best bv{best['block_v']}  auto bv{auto}"
-                  f"  [{time.time() - started:5.0f} s]", flush=True)
+            print(f"N={num_seqs} T={sum(seq_lens)} H={heads:3d}  {cells}  "
+                  f"best bv{best['block_v']}  auto bv{auto}  [{time.time() - started:5.0f} s]",
+                  flush=True)
             del x
             with open(args.out, "w") as f:  # after every (N, H): a timeout keeps what was measured
                 json.dump({"device": str(device), "sm_count": sms, "seqlen": args.seqlen,
-                           "jax": jax.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                           "jax": jax.__version__,
+                           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                            "rows": rows}, f, indent=1)
 
 

@@ -1,9 +1,10 @@
 """Head-sharded KDA prefill on every visible GPU: bitwise check + timing per GPU count.
 
 For each GPU count d in 1, 2, 4, ... up to the visible count: heads H = 12 * d_max (and 48 * d_max)
-sharded over a mesh of d GPUs. Checks that the sharded result equals a single-GPU call on all heads, bit for bit,
-and that the compiled HLO holds no collectives; then times the sharded call (median of jitted
-chained runs) so per-GPU time can be read against the local head count. Writes JSON to argv[1].
+sharded over a mesh of d GPUs. Checks that the sharded result equals a single-GPU call on all
+heads, bit for bit, and that the compiled HLO holds no collectives; then times the sharded call
+(median of jitted chained runs) so per-GPU time can be read against the local head count. Writes
+JSON to argv[1].
 """
 
 from __future__ import annotations
