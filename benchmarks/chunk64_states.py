@@ -78,7 +78,7 @@ def step64_operands(f, v):
     return jnp.prod(gt, -2), flat(A), B, flat(vb)
 
 
-def chain_states(gamma, A, B, Y, state0, product, rows):
+def chain_states(gamma, A, B, Y, state0, product):
     """States entering every step [N, H, C', 128, 128] from the kernel's model."""
     N, C = gamma.shape[0], gamma.shape[2]
     reset = jnp.where(jnp.arange(C) == 0, 0, -1).astype(jnp.int32)[None].repeat(N, 0)
@@ -88,7 +88,7 @@ def chain_states(gamma, A, B, Y, state0, product, rows):
 
 def states_64(f, v, state0, product):
     gamma, A, B, Y = step64_operands(f, v)
-    S = chain_states(gamma, A, B, Y, state0, product, 64)  # entering each block
+    S = chain_states(gamma, A, B, Y, state0, product)  # entering each block
     out = [S]
     fb, vb = (jax.tree.map(_blocks, f), _blocks(v))
     for i in range(SUB - 1):  # the 16-token steps inside the blocks, all blocks at once
@@ -102,7 +102,7 @@ def states_64(f, v, state0, product):
 def states_16(f, v, state0, product):
     gamma, A, Y = f.gt, f.kd, v
     B = f.b[..., None] * jnp.einsum("...rc,...rk->...ck", f.W, f.kr, precision=HI)
-    return chain_states(gamma, A, B, Y, state0, product, 16)
+    return chain_states(gamma, A, B, Y, state0, product)
 
 
 def state_errors(f, v, state0, product, want):

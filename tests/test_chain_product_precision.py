@@ -30,8 +30,7 @@ def test_split_products_carry_their_parts_error(name):
     a, b = (rng.standard_normal((2, 16, 128)).astype(np.float32) for _ in range(2))
     spec = "hrk,hvk->hrv"  # the model's P = A X^T
     want = np.einsum(spec, a.astype(np.float64), b.astype(np.float64))
-    got = np.asarray(cpp.PRODUCTS[name](spec, jnp.asarray(a), jnp.asarray(b)), np.float64)
-    error = np.sqrt(np.sum((got - want) ** 2) / np.sum(want**2))
+    error = gradients.rel_rmse(cpp.PRODUCTS[name](spec, jnp.asarray(a), jnp.asarray(b)), want)
     low, high = BOUNDS[name]
     print(f"{name}: {error:.2e}")
     assert low <= error <= high
@@ -65,6 +64,5 @@ def test_two_part_products_split_the_operand_they_name(split):
         want = cpp.f32_product(spec, a if a_exact else bf(a), bf(b) if a_exact else b)
         got = cpp.PRODUCTS["bf16x2s" if split == "chain" else "bf16x2o"](spec, a, b)
         # the split operand's two bf16 parts carry it to 2^-16: far closer than the bf16 error
-        error = np.sqrt(np.sum(np.asarray(got - want, np.float64) ** 2)
-                        / np.sum(np.asarray(want, np.float64) ** 2))
+        error = gradients.rel_rmse(got, np.asarray(want, np.float64))
         assert error < 3e-5, (spec, error)
