@@ -868,7 +868,8 @@ def test_interleaved_run_times_every_variant_in_turns(tmp_path, monkeypatch):
 
 def test_training_preset_dry_run_lists_the_training_table():
     done = subprocess.run([sys.executable, "-m", "jax_kda.bench", "--preset", "training",
-                           "--numerics", "flashkda,fp32", "--compare", "jla-train", "--dry-run"],
+                           "--numerics", "flashkda,fp32", "--compare", "jla-train",
+                           "--compare", "fla-train", "--dry-run"],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     listed = re.findall(r"case (\S+): seq_lens=\[([0-9, ]+)\] heads=(\d+) layout=(\w+)",
@@ -878,8 +879,24 @@ def test_training_preset_dry_run_lists_the_training_table():
     assert [(lens, int(h), layout) for _, lens, h, layout in listed] == want
     variants = re.search(r"variants: (.*) \(baseline", done.stdout).group(1).split(", ")
     for name in ("train", "backward", "train:fp32", "backward:fp32", "total:bv=auto",
-                 "jla-train"):
+                 "jla-train", "fla-train"):
         assert name in variants, variants
+
+
+def test_fla_train_is_a_prefill_peer_that_needs_torch():
+    """fla-train runs on prefill cases only, and where torch (or a GPU) is missing it is skipped
+    with the reason rather than failing the run."""
+    from jax_kda.bench import cli, inputs, torch_compare
+    from jax_kda.bench.jax_variants import Variant, VariantUnavailable
+
+    prefill, decode = cases.Case((64,), 2), cases.DecodeCase(2, 1, 1, "bf16", 2)
+    variant = Variant("fla-train")
+    assert cli._applies(variant, prefill) and not cli._applies(variant, decode)
+    ok, why = torch_compare.torch_status()
+    if ok:
+        pytest.skip("torch with a GPU is here: the builder would run")
+    with pytest.raises(VariantUnavailable, match=why.split(" (")[0]):
+        torch_compare.BUILDERS["fla-train"](prefill, inputs.make_inputs(prefill, seed=0))
 
 
 @pytest.mark.parametrize("case", [cases.Case((40,), 2), cases.Case((17, 0, 23), 2, "varlen")],

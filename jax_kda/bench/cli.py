@@ -15,9 +15,10 @@ Examples:
   python -m jax_kda.bench --preset decode-tiny             # decode on a CPU, with the reference
   python -m jax_kda.bench --preset throughput --total-block-v auto,baseline --interleave
       # variants of a case timed in turns (one sample each per round): for small differences
-  python -m jax_kda.bench --preset training --numerics flashkda,fp32 --compare jla-train
-      # forward ("total"), forward + backward ("train") and the backward alone ("backward") of
-      # one loss, beside jla's forward + backward (jax_kda/bench/training.py)
+  python -m jax_kda.bench --preset training --numerics flashkda,fp32 --compare jla-train \
+      --compare fla-train   # forward ("total"), forward + backward ("train") and the backward
+      # alone ("backward") of one loss, beside jla's and fla's forward + backward
+      # (jax_kda/bench/training.py; fla autotunes its backward for minutes per new shape)
 
 Decode cases (--preset decode, --decode N,H,t) time one decode step of N sequences x H heads, t
 tokens each, on a state pool (bf16 or f32) picked by a permutation of its rows: `decode` (the
@@ -67,7 +68,8 @@ from .torch_compare import COMPARE_CHOICES
 
 PREFILL_KINDS = ("prepare", "recurrence", "total")  # the kernel variants of prefill cases
 TRAINING_PRESET_KINDS = ("total",) + TRAINING_KINDS  # the training preset's default variants
-PREFILL_ONLY = PREFILL_KINDS + TRAINING_KINDS + ("jla-train",)  # never on decode cases
+# never on decode cases
+PREFILL_ONLY = PREFILL_KINDS + TRAINING_KINDS + ("jla-train", "fla-train")
 DEFAULT_BLOCK_V = "16,32,64,128,auto"
 DEFAULT_TOTAL_BLOCK_V = "128,auto"
 
@@ -117,9 +119,9 @@ def _parser() -> argparse.ArgumentParser:
                    "decode cases time flashkda only")
     g.add_argument("--compare", action="append", default=[], choices=COMPARE_CHOICES,
                    help="also time fla's chunk_kda or FlashKDA through torch, or jla's Mosaic GPU "
-                   "kda through JAX (repeatable; jla-train: its forward + backward of the "
-                   "training loss); on decode cases fla is its fused_recurrent_kda_fwd on the "
-                   "same pool")
+                   "kda through JAX (repeatable; jla-train, fla-train: the peer's forward + "
+                   "backward of the training loss); on decode cases fla is its "
+                   "fused_recurrent_kda_fwd on the same pool")
     g.add_argument("--baseline", help="variant the ratios are relative to (default total:bv=128 "
                    "when timed, else the first variant; on decode cases decode, else the first), "
                    "e.g. total:bv=baseline for the baseline kernel")

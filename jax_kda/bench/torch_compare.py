@@ -2,7 +2,8 @@
 
 Both receive the same numbers as jax_kda (the case's numpy inputs): bf16 q/k/v/g/beta, f32 A_log
 and dt_bias, lower_bound -5, scale 128**-0.5, a bf16 initial state (f32 for fla, which keeps its
-state in f32), the final state requested, and cu_seqlens for varlen cases.
+state in f32), the final state requested, and cu_seqlens for varlen cases. "fla-train" times fla's
+forward + backward of the training loss (bench/training.py) through torch autograd.
 
 On a decode case, "fla" is fla's decode kernel, fused_recurrent_kda_fwd, on the case's pool (bf16
 or f32, the same rows and the same state_indices as jax_kda's), updated in place.
@@ -16,8 +17,9 @@ from collections.abc import Callable
 from .cases import Case, DecodeCase
 from .jax_variants import VariantUnavailable
 
-# jla, jla-train: a JAX peer (jla_compare.py; jla-train its forward + backward, bench/training.py)
-COMPARE_CHOICES = ("fla", "flashkda", "jla", "jla-train")
+# fla-train, jla-train: a peer's forward + backward of bench/training.py's loss; jla, jla-train: a
+# JAX peer (jla_compare.py)
+COMPARE_CHOICES = ("fla", "fla-train", "flashkda", "jla", "jla-train")
 
 
 def torch_status() -> tuple[bool, str]:
@@ -60,6 +62,51 @@ def _tensors(case: Case, x: dict):
 def build_fla(case: Case | DecodeCase, x: dict) -> tuple[Callable, dict]:
     if case.kind == "decode":
         return build_fla_decode(case, x)
+    chunk_kda, d, kwargs, notes = _fla_prefill(case, x)
+
+    def run():
+        return chunk_kda(q=d["q"], k=d["k"], v=d["v"], g=d["g"], **kwargs)
+
+    return run, notes
+
+
+def build_fla_train(case: Case | DecodeCase, x: dict) -> tuple[Callable, dict]:
+    """fla's forward + backward of bench/training.py's loss, sum(out * w) + sum(final * w'), by
+    torch autograd w.r.t. q, k, v, g, beta, A_log, dt_bias (flat [H * 128]: fla's backward
+    returns the bias gradient flat) and the f32 initial state; the gradients are reset before
+    each call, so every call allocates and writes them."""
+    if case.kind == "decode":
+        raise VariantUnavailable("fla-train times a prefill's forward + backward")
+    chunk_kda, d, kwargs, notes = _fla_prefill(case, x)
+    if "beta" in notes or "dropped_kwargs" in notes:
+        raise VariantUnavailable("this fla's chunk_kda lacks in-kernel options the training loss "
+                                 f"differentiates through ({notes})")
+    import torch
+
+    from .training import loss_weight_arrays
+
+    leaves = {name: d[name].clone().requires_grad_() for name in ("q", "k", "v", "g")}
+    leaves |= {"beta": kwargs["beta"].clone().requires_grad_(),
+               "A_log": kwargs["A_log"].clone().requires_grad_(),
+               "dt_bias": kwargs["dt_bias"].reshape(-1).clone().requires_grad_(),
+               "initial_state": kwargs["initial_state"].clone().requires_grad_()}
+    rest = {key: value for key, value in kwargs.items() if key not in leaves}
+    w_out, w_state = (torch.from_numpy(w).cuda() for w in loss_weight_arrays(case))
+
+    def run():
+        for leaf in leaves.values():
+            leaf.grad = None
+        out, final = chunk_kda(**leaves, **rest)
+        loss = (out.float() * w_out).sum() + (final * w_state).sum()
+        loss.backward()
+        return loss
+
+    return run, notes
+
+
+def _fla_prefill(case: Case, x: dict):
+    """(chunk_kda, tensors, keyword arguments but q / k / v / g, notes) of fla's prefill on the
+    case's inputs; beta is among the keyword arguments."""
     ok, why = torch_status()
     if not ok:
         raise VariantUnavailable(why)
@@ -84,9 +131,9 @@ def build_fla(case: Case | DecodeCase, x: dict) -> tuple[Callable, dict]:
     dropped = [k for k in kwargs if k not in params and not accepts_any]
     for key in dropped:
         kwargs.pop(key)
-    beta = d["beta"]
+    kwargs["beta"] = d["beta"]
     if "use_beta_sigmoid_in_kernel" in dropped:
-        beta = torch.sigmoid(beta.float()).to(torch.bfloat16)  # this fla takes beta post-sigmoid
+        kwargs["beta"] = torch.sigmoid(d["beta"].float()).to(torch.bfloat16)  # post-sigmoid beta
         notes["beta"] = "sigmoid applied outside the timed call (this fla has no in-kernel sigmoid)"
     for required in ("use_gate_in_kernel", "A_log", "lower_bound"):
         if required in dropped:
@@ -94,11 +141,7 @@ def build_fla(case: Case | DecodeCase, x: dict) -> tuple[Callable, dict]:
                 f"this fla's chunk_kda has no {required}= (too old for KDA gates)")
     if dropped:
         notes["dropped_kwargs"] = dropped
-
-    def run():
-        return chunk_kda(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=beta, **kwargs)
-
-    return run, notes
+    return chunk_kda, d, kwargs, notes
 
 
 def build_fla_decode(case: DecodeCase, x: dict) -> tuple[Callable, dict]:
@@ -184,4 +227,4 @@ def build_flashkda(case: Case | DecodeCase, x: dict) -> tuple[Callable, dict]:
     return run, {}
 
 
-BUILDERS = {"fla": build_fla, "flashkda": build_flashkda}
+BUILDERS = {"fla": build_fla, "fla-train": build_fla_train, "flashkda": build_flashkda}

@@ -1,6 +1,7 @@
 """Training steps the benchmark times: forward + backward of one loss through kda_prefill (kinds
 "train" and "backward", in each numerics mode) and through jax-linear-attention's kda
-("jla-train", with its gate glue differentiated by JAX).
+("jla-train", with its gate glue differentiated by JAX); fla's ("fla-train", torch autograd) is
+torch_compare.build_fla_train, with the weights of loss_weight_arrays.
 
 The loss is sum(out * w_out) + sum(final_state * w_state) with fixed random f32 weights, so that
 both cotangents reach the backward. "train" is jax.value_and_grad of it w.r.t. q, k, v, g, beta,
@@ -27,15 +28,21 @@ from .jla_compare import to_jla
 INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state")
 
 
-def loss_weights(case, seed: int = 0):
-    """(w_out [B, T, H, 128], w_state [N, H, 128, 128]) f32 for the case's layout."""
-    import jax.numpy as jnp
-
+def loss_weight_arrays(case, seed: int = 0):
+    """(w_out [B, T, H, 128], w_state [N, H, 128, 128]) f32 numpy for the case's layout (the
+    torch peers take them too)."""
     rng = np.random.default_rng(seed)
     rows, tokens = (1, case.tokens) if case.layout == "varlen" else (case.num_seqs,
                                                                     case.seq_lens[0])
-    return (jnp.asarray(rng.standard_normal((rows, tokens, case.heads, 128)), jnp.float32),
-            jnp.asarray(rng.standard_normal((case.num_seqs, case.heads, 128, 128)), jnp.float32))
+    return (rng.standard_normal((rows, tokens, case.heads, 128)).astype(np.float32),
+            rng.standard_normal((case.num_seqs, case.heads, 128, 128)).astype(np.float32))
+
+
+def loss_weights(case, seed: int = 0):
+    """loss_weight_arrays as jax arrays."""
+    import jax.numpy as jnp
+
+    return tuple(jnp.asarray(w) for w in loss_weight_arrays(case, seed))
 
 
 def kda_prefill_loss(numerics, weights, options, x):
