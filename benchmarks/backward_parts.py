@@ -22,33 +22,25 @@ from training_step import LOWER_BOUND, SCALE, feedback, make_inputs, write_rows
 
 from jax_kda import _state_chain
 from jax_kda import reference_backward as rb
-from jax_kda._ffi import ChainOperands
 from jax_kda.bench import timing
 
 
 def parts(x, d_out, d_final):
-    B, T, H, _ = x["q"].shape
-    layout = rb._layout(B, T, None)
-    chunked = lambda a: rb._to_chunks(a, layout)
-    valid = jnp.broadcast_to(layout.valid[:, None], (B, H) + layout.valid.shape[1:])
+    B, T = x["q"].shape[:2]
+    layout = rb.chunk_layout(B, T, None)
+    chunked = lambda a: rb.to_chunks(a, layout)
 
     def factors(x):
-        return rb.chunk_factors(chunked(x["q"]), chunked(x["k"]), chunked(x["g"]),
-                                chunked(x["beta"]), x["A_log"], x["dt_bias"], valid,
-                                scale=SCALE, lower_bound=LOWER_BOUND)
+        return rb.chunked_factors(layout, x["q"], x["k"], x["g"], x["beta"], x["A_log"],
+                                  x["dt_bias"], scale=SCALE, lower_bound=LOWER_BOUND)
 
     def chains(x):
         return rb.chains_on_kernel(factors(x), chunked(x["v"]), chunked(d_out), x["state"],
                                    d_final)
 
     f = jax.jit(factors)(x)
-    N, _, C = f.gt.shape[:3]
-    forward = ChainOperands(rb._chain_resets(N, C), x["state"][:, None], f.kd, f.kr,
-                            chunked(x["v"]))
-    reverse = ChainOperands(rb._chain_resets(N, C, last=True), d_final[:, None], f.kr,
-                            jnp.concatenate([f.kd, f.qd], axis=-2),
-                            jnp.concatenate([f.qd, f.kd], axis=-2))
-    forward, reverse = jax.block_until_ready((forward, reverse))
+    forward, reverse = jax.block_until_ready(rb.chain_operands(
+        f, chunked(x["v"]), chunked(d_out), x["state"], d_final))
 
     def chain_kernel(x):  # a dependence on x (0 * A_log) so that feedback orders the calls
         return _state_chain.state_chains(f.gt + 0.0 * x["A_log"][0], forward, reverse)

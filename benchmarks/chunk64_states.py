@@ -93,16 +93,16 @@ def states_64(f, v, state0, product):
     fb, vb = (jax.tree.map(_blocks, f), _blocks(v))
     for i in range(SUB - 1):  # the 16-token steps inside the blocks, all blocks at once
         fi = jax.tree.map(lambda x: x[:, :, :, i], fb)
-        U = rb._delta_update(fi, vb[:, :, :, i], S)[1]
+        U = rb.delta_update(fi, vb[:, :, :, i], S)[1]
         S = S * fi.gt[..., None, :] + product("...rv,...rk->...vk", U, fi.kr)
         out.append(S)
     return jnp.stack(out, 3).reshape(S.shape[:2] + (-1,) + S.shape[3:])
 
 
 def states_16(f, v, state0, product):
-    gamma, A, Y = f.gt, f.kd, v
-    B = f.b[..., None] * jnp.einsum("...rc,...rk->...ck", f.W, f.kr, precision=HI)
-    return chain_states(gamma, A, B, Y, state0, product)
+    zeros = jnp.zeros_like(v)  # no cotangents: the reverse chain's operands go unused
+    forward = rb.chain_operands(f, v, zeros, state0, jnp.zeros_like(state0))[0]
+    return chain_states(f.gt, forward.A, forward.B, forward.Y, state0, product)
 
 
 def state_errors(f, v, state0, product, want):
@@ -114,12 +114,10 @@ def state_errors(f, v, state0, product, want):
 def chunk_factors(case, T):
     """(16-token chunk factors, chunked v) of a batched case (reference_backward's step 1)."""
     q, k, v, g, beta, A_log, dt_bias, _ = case.primals
-    layout = rb._layout(1, T, None)
-    chunked = lambda x: rb._to_chunks(x, layout)
-    f = rb.chunk_factors(chunked(q), chunked(k), chunked(g), chunked(beta), A_log, dt_bias,
-                         jnp.broadcast_to(layout.valid[:, None], chunked(v).shape[:-1]),
-                         scale=gradients.SCALE, lower_bound=gradients.LOWER_BOUND)
-    return f, chunked(v)
+    layout = rb.chunk_layout(1, T, None)
+    f = rb.chunked_factors(layout, q, k, g, beta, A_log, dt_bias, scale=gradients.SCALE,
+                           lower_bound=gradients.LOWER_BOUND)
+    return f, rb.to_chunks(v, layout)
 
 
 def exact_states(case, T):

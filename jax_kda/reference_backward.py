@@ -158,7 +158,7 @@ def _strict_lower():
 # ----------------------------------------------------------------------------- layout
 
 
-class _Layout(NamedTuple):
+class ChunkLayout(NamedTuple):
     """Where the rows of the [N, C, 16] chunk grid come from (batched: N = B, C = ceil(T / 16);
     packed: one row of S slots, N = 1, C = S): token [N, C, 16] int32 (packed) or None (batched:
     row t of sequence n is token t of batch row n); valid [N, C, 16] bool; slots (packed only)."""
@@ -177,11 +177,11 @@ class Slots(NamedTuple):
     last: jax.Array
 
 
-def _layout(B, T, cu_seqlens) -> _Layout:
+def chunk_layout(B, T, cu_seqlens) -> ChunkLayout:
     num_chunks = -(-T // CHUNK)
     rows = jnp.arange(num_chunks * CHUNK, dtype=jnp.int32).reshape(num_chunks, CHUNK)
     if cu_seqlens is None:
-        return _Layout(None, jnp.broadcast_to(rows < T, (B, num_chunks, CHUNK)), None)
+        return ChunkLayout(None, jnp.broadcast_to(rows < T, (B, num_chunks, CHUNK)), None)
     if B != 1:
         raise ValueError(f"cu_seqlens needs batch size 1, got {B}")
     N = cu_seqlens.shape[0] - 1
@@ -203,10 +203,10 @@ def _layout(B, T, cu_seqlens) -> _Layout:
     valid = used[:, None] & (row < lengths[sequence][:, None])
     token = jnp.where(valid, starts[sequence][:, None] + row, 0)
     slots = Slots(sequence, used & (chunk == 0), used & (chunk == num_seq_chunks - 1))
-    return _Layout(token[None], valid[None], slots)
+    return ChunkLayout(token[None], valid[None], slots)
 
 
-def _to_chunks(x, layout: _Layout):
+def to_chunks(x, layout: ChunkLayout):
     """[B, T, H, ...] -> f32 [N, H, C, 16, ...], rows outside the sequence 0."""
     N, num_chunks = layout.valid.shape[:2]
     if layout.token is None:
@@ -219,7 +219,7 @@ def _to_chunks(x, layout: _Layout):
     return jnp.moveaxis(jnp.where(mask, x.astype(jnp.float32), 0.0), 3, 1)
 
 
-def _from_chunks(x, layout: _Layout, T):
+def _from_chunks(x, layout: ChunkLayout, T):
     """[N, H, C, 16, ...] -> [B, T, H, ...]: rows outside the sequence dropped, tokens of no
     sequence 0."""
     x = jnp.moveaxis(x, 1, 3)  # [N, C, 16, H, ...]
@@ -305,6 +305,17 @@ def chunk_factors(q, k, g, beta, A_log, dt_bias, valid, *, scale, lower_bound) -
         A=A, W=forward_substitution(b[..., :, None] * A), mqk=mqk)
 
 
+def chunked_factors(layout: ChunkLayout, q, k, g, beta, A_log, dt_bias, *, scale,
+                    lower_bound) -> ChunkFactors:
+    """Step 1 on the call's inputs ([B, T, H, ...]; A_log, dt_bias f32): chunked on `layout`
+    (chunk_layout), then chunk_factors."""
+    chunked = lambda x: to_chunks(x, layout)
+    qc = chunked(q)
+    return chunk_factors(qc, chunked(k), chunked(g), chunked(beta), A_log, dt_bias,
+                         jnp.broadcast_to(layout.valid[:, None], qc.shape[:-1]),
+                         scale=scale, lower_bound=lower_bound)
+
+
 # ------------------------------------------------------------------------- 2. and 3.: the chains
 
 
@@ -316,7 +327,7 @@ def _chunks_back(x):
     return jnp.moveaxis(x, 0, 2)
 
 
-def _delta_update(f: ChunkFactors, v, state):
+def delta_update(f: ChunkFactors, v, state):
     """(v - P, U) of step 2 for states [..., 128 (v), 128 (k)] at the chunks' start."""
     residual = v - _dot("...rk,...vk->...rv", f.kd, state)
     return residual, _update_of(f, residual)
@@ -342,7 +353,7 @@ def forward_states(f: ChunkFactors, v, state0, unroll=1, slots: Slots | None = N
         fc, vc, index = x
         if slots is not None:
             state = jnp.where(slots.first[index], _sequence_row(state0, slots, index), state)
-        residual, U = _delta_update(fc, vc, state)
+        residual, U = delta_update(fc, vc, state)
         return state * fc.gt[..., None, :] + _dot("...rv,...rk->...vk", U, fc.kr), (state,
                                                                                     residual)
 
@@ -417,16 +428,14 @@ def _per_row_init(x, slots: Slots | None):
     return x[:, None] if slots is None else x[None]
 
 
-def chains_on_kernel(f: ChunkFactors, v, d_out, state0, d_final_state,
-                     slots: Slots | None = None):
-    """Steps 2 and 3 by the chain kernel, both chains in one launch: (states, residual, dS after
-    each chunk, du, dS_0) as forward_states and reverse_state_gradients give them, in f32 with
-    the products associated this way round. The forward chain: with U = W Diag(b) (v - kd S^T),
+def chain_operands(f: ChunkFactors, v, d_out, state0, d_final_state,
+                   slots: Slots | None = None) -> tuple[ChainOperands, ChainOperands]:
+    """The chain kernel's operands of steps 2 and 3 (forward chain, reverse chain), the products
+    associated this way round. The forward chain: with U = W Diag(b) (v - kd S^T),
     U^T kr = (v - kd S^T)^T Diag(b) W^T kr, so A = kd, Y = v, B = Diag(b) W^T kr, and Z is the
     residual. The reverse chain: with du = W^T (Mqk^T dout + kr dS^T) and
     -Diag(b) du^T kd = (-du)^T Diag(b) kd, A = W^T kr, Y = [-W^T Mqk^T dout; dout],
-    B = [Diag(b) kd; qd], and Z[:16] is -du. Then the gradient leaving each sequence's first
-    chunk (one more step there)."""
+    B = [Diag(b) kd; qd], and Z[:16] is -du."""
     N, _, C = v.shape[:3]
     Wt_kr = _dot("...rc,...rk->...ck", f.W, f.kr)  # W^T kr
     dU_out = _dot("...rc,...rv->...cv", f.mqk, d_out)  # Mqk^T dout
@@ -441,6 +450,16 @@ def chains_on_kernel(f: ChunkFactors, v, d_out, state0, d_final_state,
         resets[1], _per_row_init(d_final_state, slots), Wt_kr,
         jnp.concatenate([f.b[..., None] * f.kd, f.qd], axis=-2),
         jnp.concatenate([-_dot("...rc,...rv->...cv", f.W, dU_out), d_out], axis=-2))
+    return forward, reverse
+
+
+def chains_on_kernel(f: ChunkFactors, v, d_out, state0, d_final_state,
+                     slots: Slots | None = None):
+    """Steps 2 and 3 by the chain kernel on chain_operands, both chains in one launch: (states,
+    residual, dS after each chunk, du, dS_0) as forward_states and reverse_state_gradients give
+    them, in f32 with the products associated as chain_operands says. Then the gradient leaving
+    each sequence's first chunk (one more step there)."""
+    forward, reverse = chain_operands(f, v, d_out, state0, d_final_state, slots)
     (states, residual), (dS_after, minus_du) = _state_chain.state_chains(f.gt, forward, reverse)
     du = -minus_du
     if slots is None:
@@ -597,13 +616,12 @@ def kda_prefill_vjp_f32(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
         return Gradients(*map(zeros, (q, k, v, g, beta)), *head_params,
                          None if initial_state is None else dS_final)
 
-    layout = _layout(B, T, cu_seqlens)
-    chunked = lambda x: _to_chunks(x, layout)
+    layout = chunk_layout(B, T, cu_seqlens)
+    chunked = lambda x: to_chunks(x, layout)
     vc = chunked(v)
     d_outc = jnp.zeros_like(vc) if d_out is None else chunked(d_out)
-    f = chunk_factors(chunked(q), chunked(k), chunked(g), chunked(beta), A_log, dt_bias,
-                      jnp.broadcast_to(layout.valid[:, None], vc.shape[:-1]),
-                      scale=scale, lower_bound=lower_bound)
+    f = chunked_factors(layout, q, k, g, beta, A_log, dt_bias, scale=scale,
+                        lower_bound=lower_bound)
     states, residual, dS_after, du, dS0 = _chains(chains, unroll)(f, vc, d_outc, state0,
                                                                   dS_final, layout.slots)
     grads = chunk_gradients(f, d_outc, states, residual, dS_after, du, scale=scale)
