@@ -1,4 +1,5 @@
-"""CUDA graphs (XLA command buffers) and donating the initial state buffer for the final state.
+"""CUDA graphs (XLA command buffers), forward and backward, and donating the initial state buffer
+for the final state.
 
 The recurrence custom call declares final_state as an alias of initial_state (operand 4 -> result
 1), so a caller that donates the initial state (jax.jit(..., donate_argnames="initial_state")) gets
@@ -89,8 +90,9 @@ def test_gpu_donated_state_becomes_final_state(state_dtype, kernel_gpus):
         assert got[1].unsafe_buffer_pointer() == pointer
 
 
-# Runs in a fresh process (XLA flags are read once): kernel-path prefill on two input sets, each
-# three times (a command buffer is recorded, then replayed, then updated for new buffers).
+# Runs in a fresh process (XLA flags are read once): kernel-path prefill and the gradient of a loss
+# through it on two input sets, each three times (a command buffer is recorded, then replayed,
+# then updated for new buffers).
 _GRAPH_SCRIPT = textwrap.dedent("""
     import json, re, sys
     from functools import partial
@@ -107,6 +109,15 @@ _GRAPH_SCRIPT = textwrap.dedent("""
                     initial_state=jnp.asarray(rng.standard_normal((2, 6, 128, 128)), jnp.float32))
 
     fn = jax.jit(partial(jax_kda.kda_prefill, output_final_state=True, backend="kernel"))
+    rng = np.random.default_rng(2)
+    w_out = jnp.asarray(rng.standard_normal((2, 300, 6, 128)), jnp.float32)
+    w_state = jnp.asarray(rng.standard_normal((2, 6, 128, 128)), jnp.float32)
+
+    def loss(x):  # the backward's kernels (the chain kernel) and XLA's ops around them
+        out, state = fn(**x)
+        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(state * w_state)
+
+    grad = jax.jit(jax.grad(loss))
     results = {}
     for seed in (0, 1):
         x = inputs(seed)
@@ -114,6 +125,8 @@ _GRAPH_SCRIPT = textwrap.dedent("""
             out, state = fn(**x)
             results[f"out_{seed}_{rep}"] = np.asarray(out.astype(jnp.float32))
             results[f"state_{seed}_{rep}"] = np.asarray(state)
+            for name, d in grad(x).items():
+                results[f"d{name}_{seed}_{rep}"] = np.asarray(d.astype(jnp.float32))
     np.savez(sys.argv[1], **results)
     hlo = fn.lower(**inputs(0)).compile().as_text()
     blocks = re.findall(r"%command_buffer[^{]*\\{(.*?)\\n\\}", hlo, re.S)
@@ -147,7 +160,10 @@ def test_gpu_command_buffers_with_custom_calls_give_identical_results(tmp_path, 
         np.testing.assert_array_equal(graphs[key], plain[key], err_msg=key)
     for seed in (0, 1):  # replays equal the first run, bit for bit
         for rep in (1, 2):
-            np.testing.assert_array_equal(graphs[f"out_{seed}_{rep}"], graphs[f"out_{seed}_0"])
+            for name in ("out", "dq", "dg", "dA_log", "dinitial_state"):
+                np.testing.assert_array_equal(graphs[f"{name}_{seed}_{rep}"],
+                                              graphs[f"{name}_{seed}_0"], err_msg=name)
+    assert np.any(plain["dg_0_0"] != 0) and not np.array_equal(plain["dq_0_0"], plain["dq_1_0"])
     if not info["command_buffer_with_kda"]:
         # Newer XLA builds command buffers from thunks after HLO scheduling, which the HLO text
         # does not show; then only the identical results above are checked.
