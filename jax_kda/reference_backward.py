@@ -178,6 +178,8 @@ class Slots(NamedTuple):
 
 
 def chunk_layout(B, T, cu_seqlens) -> ChunkLayout:
+    """The chunk grid of a call's B x T tokens: batched (cu_seqlens None) or the packed row's
+    slots (B = 1; the module docstring, "Packed sequences")."""
     num_chunks = -(-T // CHUNK)
     rows = jnp.arange(num_chunks * CHUNK, dtype=jnp.int32).reshape(num_chunks, CHUNK)
     if cu_seqlens is None:
