@@ -3,7 +3,10 @@ backward's chain kernel (jax_kda/kernels/state_chain.py) runs on: packed sequenc
 one, a length-1 one and partial last chunks (spare slots between them, tokens in no sequence at
 the end), with and without an initial state; a malformed cu_seqlens (a sequence ending before it
 starts, then overlapping ones: every index must stay in bounds); batched rows; both numerics
-modes. `--backend auto` runs the same calls where no kernel GPU is (the chains as XLA scans)."""
+modes. `--backend auto` runs the same calls where no kernel GPU is (the chains as XLA scans).
+compute-sanitizer 2025.3.1 itself crashes (SIGSEGV) on this script (on a batched case, while
+XLA compiled the gradient program); scripts/sanitizer_case_chain.py runs the chain kernel alone,
+without XLA's GEMMs (benchmarks/results/h200-20261204-sanitizer-backward.log)."""
 
 import sys
 
