@@ -40,7 +40,7 @@ test-gpu: setup
 	$(PY) -m pytest -q -m gpu
 
 lint: setup
-	$(PY) -m ruff check jax_kda tests benchmarks
+	$(PY) -m ruff check jax_kda tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info

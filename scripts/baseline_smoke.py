@@ -32,9 +32,9 @@ def run(lengths, heads, varlen):
     base = jax.block_until_ready(jax_kda.kda_prefill(**args, recurrence="baseline"))
     split = jax.block_until_ready(jax_kda.kda_prefill(**args, recurrence=16))
     same = [bool(jnp.all(a.view(jnp.uint16) == b.view(jnp.uint16))) for a, b in zip(base, split)]
+    finite = bool(jnp.all(jnp.isfinite(base[0].astype(jnp.float32))))
     print(f"lengths {lengths} H={heads} {'varlen' if varlen else 'batched'}: out equal {same[0]},"
-          f" final state equal {same[1]}, finite {bool(jnp.all(jnp.isfinite(base[0].astype(jnp.float32))))}",
-          flush=True)
+          f" final state equal {same[1]}, finite {finite}", flush=True)
     return all(same)
 
 

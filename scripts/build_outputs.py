@@ -7,7 +7,8 @@ and after a kernel change meant to keep the bits) agree.
 dump: for fixed seeds, the prepare workspace (both inverses, both numerics modes), kda_prefill's
 output and final state (both modes, batched and packed with empty sequences, 8 x 1024 tokens at
 24 heads, which "auto" runs on the baseline kernel, and 96 heads at T = 8192 unless --small, which
-leaves out its GB-sized arrays for a quick check) and kda_decode's (t = 1 and 16, bf16 and f32 pools, intermediate states).
+leaves out its GB-sized arrays for a quick check) and kda_decode's (t = 1 and 16, bf16 and f32
+pools, intermediate states).
 compare: every array bitwise; prints one line per array and exits 1 on any difference."""
 
 import functools
@@ -79,7 +80,8 @@ def dump(path, *, small=False):
                 **x, state=pool, state_indices=idx, output_intermediate_states=True,
                 backend="kernel"))(x, pool, idx)
             tag = f"decode/{jnp.dtype(dtype).name}/t{t}"
-            out[f"{tag}/out"], out[f"{tag}/pool"], out[f"{tag}/states"] = map(np.asarray, (o, p, st))
+            for name, x in (("out", o), ("pool", p), ("states", st)):
+                out[f"{tag}/{name}"] = np.asarray(x)
     np.savez(path, **{k: v.view(np.uint8) for k, v in out.items()})
     print(f"dumped {len(out)} arrays to {path}")
 

@@ -53,7 +53,8 @@ for dtype in (jnp.bfloat16, jnp.float32):
             want_out, want_state = prefill(x, pool[rows], inverse)
             tag = f"decode {jnp.dtype(dtype).name} {inverse} t={t}"
             same(f"{tag}: out", out[jnp.asarray([0, 3])], want_out[jnp.asarray([0, 3])])
-            same(f"{tag}: pool rows", new_pool[jnp.asarray([4, 1])], want_state[jnp.asarray([0, 3])])
+            same(f"{tag}: pool rows", new_pool[jnp.asarray([4, 1])],
+                 want_state[jnp.asarray([0, 3])])
             same(f"{tag}: untouched rows", new_pool[jnp.asarray([0, 2, 3, 5])],
                  pool[jnp.asarray([0, 2, 3, 5])])
             same(f"{tag}: padding out zero", out[jnp.asarray([1, 2])],
